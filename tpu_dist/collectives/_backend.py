@@ -1,0 +1,652 @@
+"""``ProcessGroupTPU``: the c10d process group behind ``init_process_group("tpu")``.
+
+Every method follows one path, top to bottom: check the arguments (raise before
+anything is sent), turn the tensors into flat JAX blocks (zero-copy where
+DLPack allows), dispatch the cached XLA program for the op
+(:mod:`._lowering`), and return a :class:`TPUWork` whose finish step copies
+the results into the output tensors.
+
+Method names and signatures are the ones torch 2.13's Python process-group
+trampoline dispatches to (``allreduce``, ``all_gather_single``, ...); users
+never call them directly but go through ``torch.distributed``.
+
+Point-to-point ops are queued, not dispatched at once: an XLA program needs
+both ends, so a send and its recv must run the same program in the same order
+on both ranks. Queued ops are dispatched when any of them is waited on or the
+next collective is issued, sorted by (rank pair, direction, tag). That makes
+``batch_isend_irecv`` and ``isend``/``irecv`` exchanges deadlock-free in any
+issue order, like gloo; a blocking ``send`` must be matched by a ``recv`` on
+the peer at the same point of its sequence, like NCCL.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import jax
+import torch
+import torch.distributed as dist
+
+from tpu_dist.collectives import _checks, _lowering, _runtime
+from tpu_dist.collectives._lowering import ProgramKey
+from tpu_dist.collectives._work import TPUWork
+
+_SUM_LIKE = ("SUM", "AVG", "PREMUL_SUM")
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view of ``tensor`` (a copy only when it is not contiguous)."""
+    return tensor.contiguous().view(-1) if tensor.dim() != 1 or not tensor.is_contiguous() else tensor
+
+
+def _values(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat tensor as reduction operands: bool becomes uint8 0/1."""
+    flat = _flat(tensor)
+    return flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+
+
+_WORD_DTYPES = {1: torch.int8, 2: torch.int16}
+
+
+def _words(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat tensor as raw words: int8/int16 for 1/2-byte dtypes, else int32."""
+    flat = _flat(tensor)
+    return flat.view(_WORD_DTYPES.get(flat.element_size(), torch.int32))
+
+
+def _word_count(tensor: torch.Tensor) -> int:
+    size = tensor.element_size()
+    return tensor.numel() * (size // 4 if size >= 4 else 1)
+
+
+def _write(out: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy a flat result block (values or words) into ``out``, any layout."""
+    out.copy_(result.view(out.dtype).view(out.shape))
+
+
+def _reduce_params(op_name: str, opts_op: dist.ReduceOp, dtype: torch.dtype) -> tuple:
+    reduce_op = _checks.reduce_op_name(opts_op)
+    _checks.check_reduce_op(op_name, reduce_op, dtype)
+    if dtype == torch.bool:
+        # On 0/1 bytes: SUM and BOR are "any", PRODUCT and BAND are "all".
+        reduce_op = {"SUM": "MAX", "BOR": "MAX", "PRODUCT": "MIN", "BAND": "MIN"}.get(
+            reduce_op, reduce_op
+        )
+    if reduce_op == "PREMUL_SUM":
+        factor = opts_op.factor
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return (reduce_op, float(factor))
+    return (reduce_op,)
+
+
+@dataclass
+class _P2POp:
+    work: TPUWork
+    group: ProcessGroupTPU
+    is_send: bool
+    peer: int
+    """Global rank of the other end."""
+    tag: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class _P2PQueue:
+    """Point-to-point ops of this process that wait to be dispatched (module doc)."""
+
+    pending: list[_P2POp] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, op: _P2POp) -> None:
+        with self.lock:
+            self.pending.append(op)
+
+    def flush(self) -> None:
+        with self.lock:
+            ops, self.pending = self.pending, []
+        if not ops:
+            return
+        me = _runtime.info().rank
+
+        def order(op: _P2POp) -> tuple[int, int, int, int]:
+            src, dst = (me, op.peer) if op.is_send else (op.peer, me)
+            return (min(src, dst), max(src, dst), 0 if src < dst else 1, op.tag)
+
+        for op in sorted(ops, key=order):
+            op.group._dispatch_p2p(op)
+
+
+_p2p_queue = _P2PQueue()
+
+
+class ProcessGroupTPU(dist.ProcessGroup):
+    """The "tpu" process group: c10d collectives as XLA collective programs.
+
+    Created by ``torch.distributed`` (``init_process_group("tpu")``,
+    ``new_group``, ``init_device_mesh``); group rank ``i`` runs on the JAX
+    device of global rank ``global_ranks[i]``.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        timeout: timedelta,
+    ) -> None:
+        super().__init__(rank, size)
+        devices = _runtime.global_devices()
+        self._global_ranks = list(global_ranks)
+        self._devices = [devices[r] for r in self._global_ranks]
+        self._device_ids = tuple(d.id for d in self._devices)
+        self._timeout = timeout
+        self._group_name = ""
+        self._group_desc = ""
+
+    # -- identity (funcol, DTensor, FSDP2 and TP need names) -----------------
+
+    def getBackendName(self) -> str:  # noqa: N802 (c10d's name)
+        return "tpu"
+
+    def name(self) -> str:
+        return "tpu"
+
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """Global rank of each group rank."""
+        return list(self._global_ranks)
+
+    # -- the common path ------------------------------------------------------
+
+    def _launch(
+        self,
+        description: str,
+        kind: str,
+        params: tuple,
+        blocks: Sequence[torch.Tensor],
+        finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+        devices: Sequence[jax.Device] | None = None,
+    ) -> TPUWork:
+        """Dispatch ``kind``'s program on flat ``blocks``; ``finish`` gets the results."""
+        _p2p_queue.flush()
+        devices = self._devices if devices is None else devices
+        if all(b.numel() == 0 for b in blocks):
+            # Nothing to move; every rank of the group sees the same empty shapes.
+            empty = [b.new_empty(0) for b in blocks]
+            return TPUWork.completed(description, finish(empty))
+        arrays = [_runtime.to_jax(b) for b in blocks]
+        key = ProgramKey(
+            kind,
+            tuple(d.id for d in devices),
+            tuple((a.shape[0], a.dtype.name) for a in arrays),
+            params,
+        )
+        outs = _lowering.run(key, devices, arrays)
+
+        def complete() -> list[torch.Tensor]:
+            return finish([_runtime.to_torch(o) for o in outs])
+
+        return TPUWork(description, outs, complete)
+
+    # -- all-reduce -------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> TPUWork:
+        tensor = _checks.check_single("all_reduce", tensors)
+        params = _reduce_params("all_reduce", opts.reduceOp, tensor.dtype)
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            _write(tensor, results[0])
+            return [tensor]
+
+        return self._launch("all_reduce", "allreduce", params, [_values(tensor)], finish)
+
+    def allreduce_coalesced(
+        self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
+    ) -> TPUWork:
+        op = "all_reduce_coalesced"
+        for i, t in enumerate(tensors):
+            _checks.check_tensor(op, t, f"tensors[{i}]")
+        if not tensors:
+            return TPUWork.completed(op, [])
+        params = {_reduce_params(op, opts.reduceOp, t.dtype) for t in tensors}
+        if len(params) != 1:
+            raise TypeError(
+                f"{op}: the tensors' dtypes {sorted({str(t.dtype) for t in tensors})} map "
+                "ReduceOp to different operations; coalesce tensors of one kind "
+                "(floating, integer or bool) per call."
+            )
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            for t, r in zip(tensors, results):
+                _write(t, r)
+            return list(tensors)
+
+        blocks = [_values(t) for t in tensors]
+        return self._launch(op, "allreduce", params.pop(), blocks, finish)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions) -> TPUWork:
+        op = "reduce"
+        tensor = _checks.check_single(op, tensors)
+        _checks.check_rank(op, opts.rootRank, self.size(), "root")
+        params = _reduce_params(op, opts.reduceOp, tensor.dtype)
+        is_root = self.rank() == opts.rootRank
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            if is_root:
+                _write(tensor, results[0])
+            return [tensor]
+
+        return self._launch(op, "allreduce", params, [_values(tensor)], finish)
+
+    # -- all-gather -------------------------------------------------------------
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.AllgatherOptions,
+    ) -> TPUWork:
+        op = "all_gather"
+        tensor = _checks.check_single(op, input_tensors)
+        if len(output_tensors) != 1:
+            raise ValueError(f"{op}: expected one output list, got {len(output_tensors)}.")
+        outputs = output_tensors[0]
+        _checks.check_list(op, outputs, self.size(), "output tensor list")
+        for i, out in enumerate(outputs):
+            _checks.check_tensor(op, out, f"output_tensor_list[{i}]")
+            _checks.check_same(op, tensor, out, f"output_tensor_list[{i}]")
+            _checks.check_numel(op, out, tensor.numel(), f"output_tensor_list[{i}]")
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            for out, chunk in zip(outputs, results[0].chunk(self.size())):
+                _write(out, chunk)
+            return list(outputs)
+
+        return self._launch(op, "allgather", (), [_words(tensor)], finish)
+
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions
+    ) -> TPUWork:
+        op = "all_gather_into_tensor"
+        self._check_gather_pair(op, output, input, "output")
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            _write(output, results[0])
+            return [output]
+
+        return self._launch(op, "allgather", (), [_words(input)], finish)
+
+    def all_gather_single_coalesced(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: dist.AllgatherOptions,
+    ) -> TPUWork:
+        op = "all_gather_into_tensor_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
+                "output per input."
+            )
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            self._check_gather_pair(op, out, inp, f"outputs[{i}]")
+        if not inputs:
+            return TPUWork.completed(op, [])
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            for out, r in zip(outputs, results):
+                _write(out, r)
+            return list(outputs)
+
+        return self._launch(op, "allgather", (), [_words(t) for t in inputs], finish)
+
+    def _check_gather_pair(
+        self, op: str, big: torch.Tensor, small: torch.Tensor, what: str
+    ) -> None:
+        _checks.check_tensor(op, small, "input")
+        _checks.check_tensor(op, big, what)
+        _checks.check_same(op, small, big, what)
+        _checks.check_numel(op, big, small.numel() * self.size(), what)
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.GatherOptions,
+    ) -> TPUWork:
+        op = "gather"
+        tensor = _checks.check_single(op, input_tensors)
+        _checks.check_rank(op, opts.rootRank, self.size(), "root")
+        is_root = self.rank() == opts.rootRank
+        outputs: list[torch.Tensor] = []
+        if is_root:
+            if len(output_tensors) != 1:
+                raise ValueError(
+                    f"{op}: the root needs one gather_list, got {len(output_tensors)}."
+                )
+            outputs = output_tensors[0]
+            _checks.check_list(op, outputs, self.size(), "gather_list")
+            for i, out in enumerate(outputs):
+                _checks.check_tensor(op, out, f"gather_list[{i}]")
+                _checks.check_same(op, tensor, out, f"gather_list[{i}]")
+                _checks.check_numel(op, out, tensor.numel(), f"gather_list[{i}]")
+        elif output_tensors and any(output_tensors):
+            raise ValueError(
+                f"{op}: gather_list must be empty or None on non-root rank {self.rank()} "
+                f"(root is {opts.rootRank})."
+            )
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            for out, chunk in zip(outputs, results[0].chunk(self.size())):
+                _write(out, chunk)
+            return list(outputs)
+
+        return self._launch(op, "allgather", (), [_words(tensor)], finish)
+
+    # -- reduce-scatter -----------------------------------------------------------
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: dist.ReduceScatterOptions,
+    ) -> TPUWork:
+        op = "reduce_scatter"
+        output = _checks.check_single(op, output_tensors)
+        if len(input_tensors) != 1:
+            raise ValueError(f"{op}: expected one input list, got {len(input_tensors)}.")
+        inputs = input_tensors[0]
+        _checks.check_list(op, inputs, self.size(), "input_list")
+        for i, t in enumerate(inputs):
+            _checks.check_tensor(op, t, f"input_list[{i}]")
+            _checks.check_same(op, output, t, f"input_list[{i}]")
+            _checks.check_numel(op, t, output.numel(), f"input_list[{i}]")
+        params = _reduce_params(op, opts.reduceOp, output.dtype)
+        stacked = _values(torch.cat([_flat(t) for t in inputs]))
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            _write(output, results[0])
+            return [output]
+
+        return self._launch(op, "reduce_scatter", params, [stacked], finish)
+
+    def reduce_scatter_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions
+    ) -> TPUWork:
+        op = "reduce_scatter_tensor"
+        self._check_gather_pair(op, input, output, "input")
+        params = _reduce_params(op, opts.reduceOp, input.dtype)
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            _write(output, results[0])
+            return [output]
+
+        return self._launch(op, "reduce_scatter", params, [_values(input)], finish)
+
+    def reduce_scatter_single_coalesced(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[torch.Tensor],
+        opts: dist.ReduceScatterOptions,
+    ) -> TPUWork:
+        op = "reduce_scatter_tensor_coalesced"
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
+                "output per input."
+            )
+        for i, (out, inp) in enumerate(zip(outputs, inputs)):
+            self._check_gather_pair(op, inp, out, f"inputs[{i}]")
+        if not inputs:
+            return TPUWork.completed(op, [])
+        params = {_reduce_params(op, opts.reduceOp, t.dtype) for t in inputs}
+        if len(params) != 1:
+            raise TypeError(
+                f"{op}: the tensors' dtypes {sorted({str(t.dtype) for t in inputs})} map "
+                "ReduceOp to different operations; coalesce tensors of one kind per call."
+            )
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            for out, r in zip(outputs, results):
+                _write(out, r)
+            return list(outputs)
+
+        blocks = [_values(t) for t in inputs]
+        return self._launch(op, "reduce_scatter", params.pop(), blocks, finish)
+
+    # -- broadcast and scatter ------------------------------------------------------
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> TPUWork:
+        op = "broadcast"
+        tensor = _checks.check_single(op, tensors)
+        _checks.check_rank(op, opts.rootRank, self.size(), "src")
+        is_root = self.rank() == opts.rootRank
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            if not is_root:
+                _write(tensor, results[0])
+            return [tensor]
+
+        return self._launch(op, "broadcast", (opts.rootRank,), [_words(tensor)], finish)
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: dist.ScatterOptions,
+    ) -> TPUWork:
+        op = "scatter"
+        output = _checks.check_single(op, output_tensors)
+        _checks.check_rank(op, opts.rootRank, self.size(), "src")
+        if self.rank() == opts.rootRank:
+            if len(input_tensors) != 1:
+                raise ValueError(
+                    f"{op}: the root needs one scatter_list, got {len(input_tensors)}."
+                )
+            inputs = input_tensors[0]
+            _checks.check_list(op, inputs, self.size(), "scatter_list")
+            for i, t in enumerate(inputs):
+                _checks.check_tensor(op, t, f"scatter_list[{i}]")
+                _checks.check_same(op, output, t, f"scatter_list[{i}]")
+                _checks.check_numel(op, t, output.numel(), f"scatter_list[{i}]")
+            block = _words(torch.cat([_flat(t) for t in inputs]))
+        else:
+            if input_tensors and any(input_tensors):
+                raise ValueError(
+                    f"{op}: scatter_list must be empty or None on non-root rank "
+                    f"{self.rank()} (root is {opts.rootRank})."
+                )
+            words = _words(output)
+            block = words.new_zeros(words.numel() * self.size())
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            _write(output, results[0])
+            return [output]
+
+        return self._launch(op, "scatter", (opts.rootRank,), [block], finish)
+
+    # -- all-to-all -------------------------------------------------------------------
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: dist.AllToAllOptions,
+    ) -> TPUWork:
+        op = "all_to_all_single"
+        _checks.check_tensor(op, input, "input")
+        _checks.check_tensor(op, output, "output")
+        _checks.check_same(op, input, output, "output")
+        size = self.size()
+        in_rows = input.shape[0] if input.dim() else 1
+        out_rows = output.shape[0] if output.dim() else 1
+        if input.dim() == 0 or output.dim() == 0:
+            raise ValueError(f"{op}: input and output need at least one dimension.")
+        if tuple(input.shape[1:]) != tuple(output.shape[1:]):
+            raise ValueError(
+                f"{op}: input shape {tuple(input.shape)} and output shape "
+                f"{tuple(output.shape)} differ beyond dim 0."
+            )
+        if not input_split_sizes and not output_split_sizes:
+            _checks.check_splits(op, [], size, in_rows, "input")
+            _checks.check_numel(op, output, input.numel(), "output")
+
+            def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+                _write(output, results[0])
+                return [output]
+
+            return self._launch(op, "alltoall", (), [_words(input)], finish)
+        send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
+        recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
+        row = _word_count(input[0]) if in_rows else _word_count(output[0])
+        words = _words(input)
+        send_chunks = list(words.split([s * row for s in send]))
+        out_words = _words(output) if output.is_contiguous() else None
+
+        def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+            flat = torch.cat(recv_chunks)
+            if out_words is not None and out_words.data_ptr() != flat.data_ptr():
+                out_words.copy_(flat)
+            else:
+                _write(output, flat)
+            return [output]
+
+        return self._uneven_alltoall(op, send_chunks, [r * row for r in recv], finish)
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: dist.AllToAllOptions,
+    ) -> TPUWork:
+        op = "all_to_all"
+        size = self.size()
+        _checks.check_list(op, input_tensors, size, "input_tensor_list")
+        _checks.check_list(op, output_tensors, size, "output_tensor_list")
+        for i, t in enumerate(input_tensors):
+            _checks.check_tensor(op, t, f"input_tensor_list[{i}]")
+            _checks.check_same(op, input_tensors[0], t, f"input_tensor_list[{i}]")
+        for i, t in enumerate(output_tensors):
+            _checks.check_tensor(op, t, f"output_tensor_list[{i}]")
+            _checks.check_same(op, input_tensors[0], t, f"output_tensor_list[{i}]")
+        send_chunks = [_words(t) for t in input_tensors]
+
+        def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+            for out, chunk in zip(output_tensors, recv_chunks):
+                _write(out, chunk)
+            return list(output_tensors)
+
+        recv_counts = [_word_count(t) for t in output_tensors]
+        return self._uneven_alltoall(op, send_chunks, recv_counts, finish)
+
+    def _uneven_alltoall(
+        self,
+        op: str,
+        send_chunks: list[torch.Tensor],
+        recv_counts: list[int],
+        finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    ) -> TPUWork:
+        """All-to-all of chunks of any length: pad every chunk to the group's largest.
+
+        The largest chunk is agreed with a one-element MAX all-reduce first (a
+        blocking step), so every rank compiles the same padded program.
+        """
+        size = self.size()
+        local_max = max([c.numel() for c in send_chunks] + recv_counts)
+        agreed = torch.tensor([local_max], dtype=torch.int64)
+        self._launch(op, "allreduce", ("MAX",), [agreed], lambda r: [agreed.copy_(r[0])]).wait()
+        width = int(agreed.item())
+        if width == 0:
+            return TPUWork.completed(op, finish([c.new_empty(0) for c in send_chunks]))
+        padded = send_chunks[0].new_zeros(size, width)
+        for peer, chunk in enumerate(send_chunks):
+            padded[peer, : chunk.numel()] = chunk
+
+        def unpad(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            rows = results[0].view(size, width)
+            return finish([rows[peer, : recv_counts[peer]] for peer in range(size)])
+
+        return self._launch(op, "alltoall", (), [padded.view(-1)], unpad)
+
+    # -- point to point -----------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TPUWork:
+        return self._queue_p2p("send", tensors, dst, tag, is_send=True)
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TPUWork:
+        return self._queue_p2p("recv", tensors, src, tag, is_send=False)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TPUWork:
+        raise ValueError(
+            "recv: receiving from any source (src=None) is not supported by the 'tpu' "
+            "backend: an XLA collective program is compiled for a fixed pair of devices, "
+            "so both ends must be known. Pass src=, or use all_gather to learn who sends."
+        )
+
+    def _queue_p2p(
+        self, op: str, tensors: list[torch.Tensor], peer: int, tag: int, *, is_send: bool
+    ) -> TPUWork:
+        tensor = _checks.check_single(op, tensors)
+        _checks.check_rank(op, peer, self.size(), "dst" if is_send else "src")
+        if peer == self.rank():
+            raise ValueError(
+                f"{op}: rank {self.rank()} cannot {op} to itself on the 'tpu' backend; "
+                "copy the tensor locally instead."
+            )
+        work = TPUWork(f"{op} (peer {peer}, tag {tag})", (), list, before_wait=_p2p_queue.flush)
+        _p2p_queue.add(
+            _P2POp(work, self, is_send, self._global_ranks[peer], int(tag), tensor)
+        )
+        return work
+
+    def _dispatch_p2p(self, op: _P2POp) -> None:
+        """Run one queued point-to-point op as a two-device permute program."""
+        me = _runtime.info().rank
+        src, dst = (me, op.peer) if op.is_send else (op.peer, me)
+        devices = _runtime.global_devices()
+        low, high = sorted((src, dst))
+        pair = ((0, 1),) if src == low else ((1, 0),)
+        tensor = op.tensor
+        words = _words(tensor)
+        if words.numel() == 0:
+            op.work._attach((), lambda: [tensor])
+            return
+        array = _runtime.to_jax(words)
+        key = ProgramKey(
+            "permute",
+            (devices[low].id, devices[high].id),
+            ((array.shape[0], array.dtype.name),),
+            pair,
+        )
+        outs = _lowering.run(key, [devices[low], devices[high]], [array])
+
+        def complete() -> list[torch.Tensor]:
+            if not op.is_send:
+                _write(tensor, _runtime.to_torch(outs[0]))
+            return [tensor]
+
+        op.work._attach(outs, complete)
+
+    # -- barrier ---------------------------------------------------------------------------
+
+    def barrier(self, opts: dist.BarrierOptions) -> TPUWork:
+        token = torch.zeros(1, dtype=torch.int32)
+        return self._launch("barrier", "barrier", (), [token], lambda r: [])

@@ -1,0 +1,254 @@
+"""The JAX runtime behind the "tpu" backend: start, device map, tensor hand-off.
+
+One JAX runtime per process. It starts when the first "tpu" process group is
+created (the default group, since torch creates it first) and lives until the
+interpreter exits or :func:`shutdown` is called by ``destroy_process_group``.
+
+* Start. ``jax.distributed.initialize`` is called with one JAX process per
+  torch rank. The coordinator address is exchanged through the group's c10d
+  store: rank 0 binds a free port (never the store's own port, which would
+  collide) and publishes ``host:port``; the others read it.
+* Platform. ``TPU_DIST_PLATFORM`` = ``auto`` (default: TPU when a TPU is
+  attached, else CPU), ``cpu``, ``tpu`` or ``gpu``. On CPU each rank owns one
+  XLA CPU device and collectives ride XLA's CPU collectives (gloo).
+* Device map. Global rank ``r`` owns the first addressable device of JAX
+  process ``r``: :func:`global_devices` lists them by rank.
+* 64-bit types. JAX truncates int64/float64 unless ``jax_enable_x64`` is on.
+  Every JAX call of this package runs inside :func:`x64_scope`, a thread-local
+  scope, so 64-bit tensors stay exact while the user's own JAX configuration
+  is left as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+PLATFORM_ENV = "TPU_DIST_PLATFORM"
+COORDINATOR_ENV = "TPU_DIST_COORDINATOR_ADDRESS"
+_PLATFORMS = ("auto", "cpu", "tpu", "gpu")
+_COORDINATOR_KEY = "tpu_dist/jax_coordinator_address"
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What the running JAX runtime was started with."""
+
+    world_size: int
+    """Number of JAX processes, equal to the torch world size."""
+    rank: int
+    """This process's JAX process index, equal to its global torch rank."""
+    platform: str
+    """The JAX platform collectives run on: "cpu", "tpu" or "gpu"."""
+    coordinator_address: str
+    """``host:port`` of the JAX coordination service (on rank 0)."""
+
+
+_lock = threading.Lock()
+_info: RuntimeInfo | None = None
+_devices: list[jax.Device] | None = None
+
+
+def x64_scope() -> contextlib.AbstractContextManager:
+    """A thread-local scope in which JAX keeps 64-bit dtypes (see module doc)."""
+    return jax.enable_x64(True)
+
+
+def resolve_platform(value: str | None = None) -> str:
+    """Return the platform to run on from ``value`` or ``TPU_DIST_PLATFORM``.
+
+    Raises:
+        ValueError: the value is not one of auto, cpu, tpu, gpu.
+    """
+    raw = value if value is not None else os.environ.get(PLATFORM_ENV, "auto")
+    choice = raw.strip().lower()
+    if choice not in _PLATFORMS:
+        raise ValueError(
+            f"{PLATFORM_ENV}={raw!r} is not a platform tpu_dist knows; "
+            f"use one of {', '.join(_PLATFORMS)}."
+        )
+    if choice != "auto":
+        return choice
+    return "tpu" if _tpu_attached() else "cpu"
+
+
+def _tpu_attached() -> bool:
+    # TPU VMs expose chips as /dev/accel* (v2-v4, v5e/v6e) or /dev/vfio/* (v5p, v7x).
+    dev = "/dev"
+    try:
+        names = os.listdir(dev)
+    except OSError:
+        return False
+    if any(name.startswith("accel") for name in names):
+        return True
+    try:
+        return any(name.isdigit() for name in os.listdir(os.path.join(dev, "vfio")))
+    except OSError:
+        return False
+
+
+def info() -> RuntimeInfo | None:
+    """The running runtime's :class:`RuntimeInfo`, or None before the first group."""
+    return _info
+
+
+def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> RuntimeInfo:
+    """Start JAX for this process once; later calls check and return the same info.
+
+    Every rank of the default group calls this while the default "tpu" group
+    is created.
+
+    Raises:
+        RuntimeError: JAX already runs with another world (a new
+            ``init_process_group`` after ``destroy_process_group`` with a
+            different world size or rank), or JAX was started by someone else
+            before the first "tpu" group.
+    """
+    global _info, _devices
+    with _lock:
+        if _info is not None:
+            if (_info.world_size, _info.rank) != (world_size, rank):
+                raise RuntimeError(
+                    "tpu_dist's JAX runtime was started for "
+                    f"world_size={_info.world_size}, rank={_info.rank} and cannot be "
+                    f"restarted in the same process as world_size={world_size}, "
+                    f"rank={rank}: JAX allows one distributed initialization per "
+                    "process. Start a new process (tpu-launch restarts workers) to "
+                    "change the world."
+                )
+            return _info
+        platform = resolve_platform()
+        if platform == "cpu":
+            if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
+                logger.warning(
+                    "tpu_dist: %s=cpu overrides JAX_PLATFORMS=%s for this process.",
+                    PLATFORM_ENV,
+                    os.environ["JAX_PLATFORMS"],
+                )
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", 1)
+        elif platform == "tpu":
+            jax.config.update("jax_platforms", "tpu")
+        else:
+            jax.config.update("jax_platforms", "cuda")
+        address = _exchange_coordinator_address(store, rank, timeout)
+        init_timeout = max(int(timeout.total_seconds()), 10)
+        try:
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=world_size,
+                process_id=rank,
+                initialization_timeout=init_timeout,
+                shutdown_timeout_seconds=60,
+            )
+        except RuntimeError as err:
+            if "must be called before" in str(err):
+                raise RuntimeError(
+                    "tpu_dist must start JAX's distributed runtime, but JAX was already "
+                    "used in this process before the first 'tpu' process group "
+                    f"({err}). Call dist.init_process_group('tpu') before any JAX "
+                    "computation or jax.devices() call."
+                ) from err
+            raise
+        by_process: dict[int, jax.Device] = {}
+        for device in sorted(jax.devices(), key=lambda d: d.id):
+            by_process.setdefault(device.process_index, device)
+        if sorted(by_process) != list(range(world_size)):
+            raise RuntimeError(
+                f"JAX reports devices for processes {sorted(by_process)}, expected one "
+                f"device in each of {world_size} processes; check that every rank "
+                "started with the same world size."
+            )
+        _devices = [by_process[r] for r in range(world_size)]
+        _info = RuntimeInfo(world_size, rank, platform, address)
+        logger.info("tpu_dist: JAX runtime started: %s", _info)
+        return _info
+
+
+def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
+    if rank == 0:
+        address = os.environ.get(COORDINATOR_ENV) or f"{_host_address()}:{_free_port()}"
+        store.set(_COORDINATOR_KEY, address)
+        return address
+    store.wait([_COORDINATOR_KEY], timeout)
+    return store.get(_COORDINATOR_KEY).decode()
+
+
+def _host_address() -> str:
+    # The torch rendezvous host is reachable by every rank; when rank 0 started
+    # the store (env://), MASTER_ADDR names this host.
+    master = os.environ.get("MASTER_ADDR")
+    if master:
+        return master
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+def global_devices() -> list[jax.Device]:
+    """The JAX device owned by each global rank, indexed by rank.
+
+    Raises:
+        RuntimeError: no "tpu" process group has been created in this process.
+    """
+    if _devices is None:
+        raise RuntimeError(
+            "tpu_dist's JAX runtime is not started: call "
+            "torch.distributed.init_process_group('tpu') first."
+        )
+    return list(_devices)
+
+
+def local_device() -> jax.Device:
+    """The JAX device of this rank."""
+    if _devices is None or _info is None:
+        raise RuntimeError(
+            "tpu_dist's JAX runtime is not started: call "
+            "torch.distributed.init_process_group('tpu') first."
+        )
+    return _devices[_info.rank]
+
+
+def to_jax(flat: torch.Tensor) -> jax.Array:
+    """A 1-D contiguous CPU tensor as a JAX array on this rank's device.
+
+    Zero-copy on the CPU platform (DLPack; XLA copies storage that is not
+    64-byte aligned). On TPU/GPU the data is copied to the device.
+    """
+    with x64_scope():
+        if _info is not None and _info.platform != "cpu":
+            return jax.device_put(_as_numpy(flat), local_device())
+        return jax.dlpack.from_dlpack(flat)
+
+
+def to_torch(array: jax.Array) -> torch.Tensor:
+    """A JAX result block as a CPU tensor (zero-copy on the CPU platform)."""
+    if _info is not None and _info.platform != "cpu":
+        host = np.asarray(jax.device_get(array))
+        if host.dtype == jnp.bfloat16:
+            return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+        return torch.from_numpy(host.copy())
+    return torch.from_dlpack(array)
+
+
+def _as_numpy(flat: torch.Tensor) -> np.ndarray:
+    if flat.dtype == torch.bfloat16:
+        return flat.view(torch.int16).numpy().view(jnp.bfloat16)
+    return flat.numpy()

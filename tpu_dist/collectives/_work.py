@@ -1,0 +1,162 @@
+"""Work objects: what a "tpu" collective returns, and how it completes.
+
+JAX dispatch is asynchronous: when a collective method returns, its XLA
+program is queued and its results are JAX arrays that are not ready yet.
+:class:`TPUWork` completes the call: it waits for those arrays and runs the
+op's *finish* step, which copies results into the caller's output tensors.
+The finish step runs exactly once, on whichever thread gets there first:
+
+* ``work.wait()`` (what every synchronous torch.distributed call does),
+* ``work.is_completed()`` once the arrays are ready,
+* the completion thread, once ``work.get_future()`` has been asked for (DDP
+  comm hooks chain on the future without waiting on the work).
+
+If the program or the finish step fails, the error is kept and raised by
+every ``wait()``; the output tensors are then left as they were.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import jax
+import torch
+import torch.distributed as dist
+
+from tpu_dist.collectives import _runtime
+
+
+class TPUWork(dist._Work):
+    """The handle of one "tpu" collective call (see the module docstring)."""
+
+    def __init__(
+        self,
+        description: str,
+        pending: Sequence[jax.Array] = (),
+        finish: Callable[[], list[torch.Tensor]] | None = None,
+        before_wait: Callable[[], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self._description = description
+        self._pending = list(pending)
+        self._finish = finish
+        self._before_wait = before_wait
+        self._lock = threading.Lock()
+        self._done = False
+        self._error: BaseException | None = None
+        self._result: list[torch.Tensor] = []
+        self._future: torch.futures.Future | None = None
+
+    @classmethod
+    def completed(cls, description: str, result: list[torch.Tensor]) -> TPUWork:
+        """A work that is already complete with ``result`` (nothing to communicate)."""
+        work = cls(description, (), lambda: result)
+        work._complete()
+        return work
+
+    def _attach(self, pending: Sequence[jax.Array], finish: Callable[[], list[torch.Tensor]]) -> None:
+        """Give a deferred work (point-to-point) its dispatched arrays and finish step."""
+        self._pending = list(pending)
+        self._finish = finish
+
+    def _complete(self) -> None:
+        if self._before_wait is not None:
+            self._before_wait()
+        with self._lock:
+            if self._done:
+                return
+            try:
+                with torch.no_grad(), _runtime.x64_scope():
+                    for array in self._pending:
+                        array.block_until_ready()
+                    self._result = self._finish()
+            except Exception as err:  # kept and raised on every wait()
+                self._error = dist.DistBackendError(
+                    f"tpu_dist: {self._description} failed: {err}"
+                )
+                self._error.__cause__ = err
+            self._pending = []
+            self._finish = None
+            self._done = True
+            future = self._future
+        if future is not None:
+            self._settle(future)
+
+    def _settle(self, future: torch.futures.Future) -> None:
+        if self._error is not None:
+            future.set_exception(self._error)
+        else:
+            future.set_result(self._result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Block until the collective is done and the outputs are written.
+
+        Raises:
+            torch.distributed.DistBackendError: the collective failed.
+        """
+        self._complete()
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        """True once the outputs are written (or the collective failed); never blocks."""
+        if not self._done:
+            if self._before_wait is not None:
+                self._before_wait()
+            if self._finish is not None and all(a.is_ready() for a in self._pending):
+                self._complete()
+        return self._done
+
+    def is_success(self) -> bool:
+        """True if the collective completed without error."""
+        return self._done and self._error is None
+
+    def exception(self) -> BaseException | None:
+        """The error the collective failed with, if any."""
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        """The output tensors, once complete (as gloo's Work.result())."""
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the output tensors when the collective is done."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                if self._done:
+                    self._settle(self._future)
+                else:
+                    _completer.submit(self)
+            return self._future
+
+
+class _Completer:
+    """One daemon thread per process that completes works whose future was asked for."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[TPUWork] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, work: TPUWork) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="tpu_dist-completer", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(work)
+
+    def _loop(self) -> None:
+        while True:
+            work = self._queue.get()
+            work._complete()
+
+
+_completer = _Completer()
