@@ -27,7 +27,7 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 
 _FLOAT_OPS = frozenset({"SUM", "AVG", "PREMUL_SUM", "PRODUCT", "MIN", "MAX"})
-_COMPLEX_OPS = frozenset({"SUM", "AVG", "PREMUL_SUM", "PRODUCT"})
+_COMPLEX_OPS = frozenset({"SUM", "AVG", "PREMUL_SUM"})
 _INT_OPS = frozenset({"SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"})
 
 
