@@ -1,0 +1,259 @@
+"""Backend semantics on 4 ranks: layouts, async works, groups, the program cache, bad input.
+
+Rank groups used below (4 ranks):
+    new_group([0, 2])            -> {0, 2}; ranks 1 and 3 are not members
+    new_subgroups(2)             -> {0, 1}, {2, 3}
+    init_device_mesh((2, 2))     -> dim 0 groups {0, 2}, {1, 3}; dim 1 groups {0, 1}, {2, 3}
+    init_device_mesh((1, 2, 2))  -> dim 0 groups {r} (size 1), dims 1 and 2 as above
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.collective_cases import make_input
+from tests.harness import World
+
+
+@pytest.fixture(scope="module")
+def world() -> World:
+    with World(4, backend="tpu") as w:
+        yield w
+
+
+def _layouts(rank: int, world_size: int) -> list[str]:
+    problems = []
+    total = sum(range(world_size))
+    # a non-contiguous view: every second column of a matrix; the rest stays untouched
+    base = torch.full((3, 4), float(rank))
+    view = base[:, ::2]
+    dist.all_reduce(view)
+    if not (torch.all(base[:, ::2] == total) and torch.all(base[:, 1::2] == rank)):
+        problems.append(f"strided all_reduce: {base.tolist()}")
+    # a transposed view and a view with a storage offset
+    base = torch.arange(12.0).reshape(3, 4) + 100 * rank
+    dist.broadcast(base.t(), src=1)
+    if not torch.equal(base, torch.arange(12.0).reshape(3, 4) + 100):
+        problems.append(f"transposed broadcast: {base.tolist()}")
+    store = torch.zeros(10, dtype=torch.int64)
+    window = store[3:7]
+    window.fill_(rank + 1)
+    dist.all_reduce(window, op=dist.ReduceOp.MAX)
+    if store.tolist() != [0, 0, 0] + [world_size] * 4 + [0, 0, 0]:
+        problems.append(f"offset all_reduce: {store.tolist()}")
+    # all_gather into a non-contiguous output
+    out = torch.zeros(world_size, 6)[:, ::2]
+    dist.all_gather_into_tensor(out, torch.full((3,), float(rank)))
+    if not torch.equal(out, torch.arange(world_size, dtype=torch.float32)[:, None].expand(-1, 3)):
+        problems.append(f"strided all_gather output: {out.tolist()}")
+    # empty and 0-d tensors
+    empty = torch.empty(0, 3)
+    dist.all_reduce(empty)
+    outs = [torch.empty(0) for _ in range(world_size)]
+    dist.all_gather(outs, torch.empty(0))
+    scalar = torch.tensor(float(rank + 1))
+    dist.all_reduce(scalar, op=dist.ReduceOp.PRODUCT)
+    want = 1.0
+    for r in range(world_size):
+        want *= r + 1
+    if scalar.item() != want or scalar.dim() != 0:
+        problems.append(f"0-d all_reduce: {scalar}")
+    gathered = torch.empty(world_size)
+    dist.all_gather_into_tensor(gathered, torch.tensor(float(rank)))
+    if gathered.tolist() != [float(r) for r in range(world_size)]:
+        problems.append(f"0-d all_gather: {gathered.tolist()}")
+    return problems
+
+
+def test_layouts_views_offsets_empty_scalars(world: World) -> None:
+    assert world.run(_layouts) == [[]] * 4
+
+
+def _async_works(rank: int, world_size: int) -> list[str]:
+    problems = []
+    total = float(sum(range(world_size)))
+    t = torch.full((1000,), float(rank))
+    work = dist.all_reduce(t, async_op=True)
+    deadline = time.monotonic() + 30
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            problems.append("is_completed() never became True")
+            break
+        time.sleep(0.001)
+    if not torch.all(t == total):
+        problems.append("is_completed() was True before the output was written")
+    if work.wait() is not True or not work.is_success():
+        problems.append("wait() did not return True")
+    # get_future: value is the list of outputs, as on gloo, and then() chains
+    t = torch.full((7,), float(rank))
+    fut = dist.all_reduce(t, async_op=True).get_future()
+    doubled = fut.then(lambda f: f.value()[0] * 2)
+    if doubled.wait().tolist() != [2 * total] * 7 or fut.value()[0] is not t:
+        problems.append(f"future value: {fut.value()}")
+    # several works in flight, waited in reverse order
+    tensors = [torch.full((5,), float(rank * i)) for i in range(4)]
+    works = [dist.all_reduce(x, async_op=True) for x in tensors]
+    for w in reversed(works):
+        w.wait()
+    for i, x in enumerate(tensors):
+        if not torch.all(x == total * i):
+            problems.append(f"in-flight work {i}: {x.tolist()}")
+    return problems
+
+
+def test_async_work_wait_is_completed_future(world: World) -> None:
+    assert world.run(_async_works) == [[]] * 4
+
+
+def _subgroups(rank: int, world_size: int) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    problems = []
+    # new_group over a strided subset, created on every rank as torch requires
+    evens = dist.new_group([0, 2])
+    if rank in (0, 2):
+        t = torch.tensor([rank + 1.0])
+        dist.all_reduce(t, group=evens)
+        if t.item() != 4.0:
+            problems.append(f"new_group([0, 2]) all_reduce: {t.item()}")
+        out = [torch.empty(1) for _ in range(2)]
+        dist.all_gather(out, torch.tensor([float(rank)]), group=evens)
+        if [o.item() for o in out] != [0.0, 2.0]:
+            problems.append(f"new_group all_gather: {out}")
+        # broadcast with a global src rank inside the group
+        b = torch.tensor([float(rank)])
+        dist.broadcast(b, src=2, group=evens)
+        if b.item() != 2.0:
+            problems.append(f"new_group broadcast from global 2: {b.item()}")
+    # new_subgroups: {0, 1}, {2, 3}
+    mine, _ = dist.new_subgroups(group_size=2)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mine)
+    want = 1.0 if rank < 2 else 5.0
+    if t.item() != want:
+        problems.append(f"new_subgroups all_reduce: {t.item()} != {want}")
+    # send/recv inside a subgroup, with group ranks
+    x = torch.tensor([float(rank * 10)])
+    if rank % 2 == 0:
+        dist.send(x, group_dst=1, group=mine)
+    else:
+        dist.recv(x, group_src=0, group=mine)
+        if x.item() != (rank - 1) * 10:
+            problems.append(f"subgroup recv: {x.item()}")
+    # 2-D and 3-D device meshes: many groups alive at once
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dim, name in enumerate(("dp", "tp")):
+        group = mesh.get_group(name)
+        members = dist.get_process_group_ranks(group)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        if t.item() != float(sum(members)):
+            problems.append(f"mesh dim {name} ({members}) all_reduce: {t.item()}")
+    mesh3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    for name in ("pp", "dp", "tp"):
+        group = mesh3.get_group(name)
+        members = dist.get_process_group_ranks(group)
+        out = torch.empty(len(members))
+        dist.all_gather_into_tensor(out, torch.tensor([float(rank)]), group=group)
+        if out.tolist() != [float(m) for m in members]:
+            problems.append(f"3-D mesh dim {name} all_gather: {out.tolist()} != {members}")
+    # the default group still works with all of these alive
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if t.item() != world_size:
+        problems.append("default group after subgroups")
+    return problems
+
+
+def test_subgroups_and_device_meshes(world: World) -> None:
+    assert world.run(_subgroups, timeout=180) == [[]] * 4
+
+
+def _split_group(rank: int, world_size: int) -> str:
+    try:
+        dist.split_group(split_ranks=[[0, 1], [2, 3]])
+    except RuntimeError as err:
+        return str(err)
+    return "no error"
+
+
+def test_split_group_is_refused_clearly(world: World) -> None:
+    # torch 2.13 only splits NCCL/XCCL groups (it refuses gloo the same way).
+    messages = world.run(_split_group)
+    assert all("split" in m for m in messages), messages
+
+
+def _steady_loop(rank: int, world_size: int) -> list[int]:
+    import tpu_dist.collectives as tc
+
+    counts = []
+    for step in range(4):
+        grads = torch.full((64,), float(rank + step))
+        dist.all_reduce(grads, op=dist.ReduceOp.AVG)
+        full = torch.empty(world_size * 16)
+        dist.all_gather_into_tensor(full, grads[:16].contiguous())
+        shard = torch.empty(16)
+        dist.reduce_scatter_tensor(shard, full)
+        dist.broadcast(grads, src=0)
+        dist.barrier()
+        counts.append(tc.compile_count())
+    return counts
+
+
+def test_steady_loop_compiles_nothing_after_first_step(world: World) -> None:
+    for counts in world.run(_steady_loop):
+        assert counts[1:] == [counts[0]] * 3, counts
+
+
+def _bad_calls(rank: int, world_size: int) -> list[tuple[str, str]]:
+    """Each bad call must raise on the calling rank before anything is sent."""
+    outcomes = []
+
+    def attempt(name, fn, tensor):
+        before = tensor.clone()
+        try:
+            fn()
+        except (ValueError, TypeError, RuntimeError) as err:
+            unchanged = torch.equal(before, tensor)
+            outcomes.append((name, f"{type(err).__name__}: {err}" if unchanged else "input modified"))
+        else:
+            outcomes.append((name, "no error"))
+
+    x = torch.arange(6.0) + rank
+    attempt("wrong output size",
+            lambda: dist.all_gather_into_tensor(torch.empty(world_size * 6 + 1), x), x)
+    attempt("wrong list length",
+            lambda: dist.all_gather([torch.empty(6)] * (world_size + 1), x), x)
+    attempt("bad splits",
+            lambda: dist.all_to_all_single(torch.empty(6), x, [1] * world_size, [5] + [0] * (world_size - 1)), x)
+    attempt("uneven rows", lambda: dist.all_to_all_single(torch.empty(6), x[:5].clone()), x)
+    attempt("bad root", lambda: dist.broadcast(x, src=world_size + 3), x)
+    attempt("bitwise op on float", lambda: dist.all_reduce(x, op=dist.ReduceOp.BAND), x)
+    i = torch.arange(4)
+    attempt("AVG on int", lambda: dist.all_reduce(i, op=dist.ReduceOp.AVG), i)
+    m = torch.empty(3, device="meta")
+    attempt("meta device", lambda: dist.all_reduce(m), torch.empty(0))
+    attempt("unsupported dtype", lambda: dist.all_reduce(torch.zeros(2, dtype=torch.uint16)), x)
+    attempt("send to self", lambda: dist.send(x, rank), x)
+    attempt("dtype mismatch",
+            lambda: dist.all_gather_into_tensor(torch.empty(world_size * 6, dtype=torch.int32), x), x)
+    # the group is still usable
+    ok = torch.ones(2)
+    dist.all_reduce(ok)
+    outcomes.append(("usable after", str(ok.tolist())))
+    return outcomes
+
+
+def test_bad_calls_raise_before_communicating(world: World) -> None:
+    for outcomes in world.run(_bad_calls):
+        for name, message in outcomes[:-1]:
+            assert message.startswith(("ValueError", "TypeError", "RuntimeError")), (name, message)
+        assert outcomes[-1] == ("usable after", "[4.0, 4.0]")
+    messages = dict(world.run(_bad_calls)[0])
+    assert "25" in messages["wrong output size"]  # the actual element count is named
+    assert "BAND" in messages["bitwise op on float"] and "float32" in messages["bitwise op on float"]
+    assert "uint16" in messages["unsupported dtype"]

@@ -1,0 +1,76 @@
+"""The same program on "tpu" and on "gloo" gives the same results (3 ranks, odd on purpose).
+
+The body runs a mix of collectives a training step uses and returns every
+output; the two backends' outputs are compared rank by rank: integer and
+data-movement results bit for bit, float reductions to float32 round-off
+(the two backends may add in different orders).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.collective_cases import make_input
+from tests.harness import World
+
+
+def _program(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for op in ("SUM", "MAX", "MIN", "PRODUCT"):
+        t = make_input(rank, torch.float32, (17,), salt=70, small=op == "PRODUCT")
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        out[f"all_reduce {op} f32"] = t
+        t = make_input(rank, torch.int64, (9,), salt=71, small=op == "PRODUCT")
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        out[f"all_reduce {op} i64"] = t
+    for op in ("BAND", "BOR", "BXOR"):
+        t = make_input(rank, torch.int32, (9,), salt=72)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+        out[f"all_reduce {op} i32"] = t
+    x = make_input(rank, torch.float64, (4, 3), salt=73)
+    full = torch.empty(world_size * 4, 3, dtype=torch.float64)
+    dist.all_gather_into_tensor(full, x)
+    out["all_gather_into_tensor"] = full
+    shard = torch.empty(4, 3, dtype=torch.float64)
+    dist.reduce_scatter_tensor(shard, full * (rank + 1))
+    out["reduce_scatter_tensor"] = shard
+    b = make_input(rank, torch.int32, (5,), salt=74)
+    dist.broadcast(b, src=world_size - 1)
+    out["broadcast"] = b
+    splits = [(rank + j) % 2 + 1 for j in range(world_size)]
+    recv = [(r + rank) % 2 + 1 for r in range(world_size)]
+    a2a = torch.empty(sum(recv), 2)
+    dist.all_to_all_single(a2a, make_input(rank, torch.float32, (sum(splits), 2), salt=75), recv, splits)
+    out["all_to_all_single uneven"] = a2a
+    scattered = torch.empty(3, dtype=torch.int64)
+    dist.scatter(scattered, [torch.arange(3) + 10 * i for i in range(world_size)] if rank == 1 else None, src=1)
+    out["scatter"] = scattered
+    objs: list = [None] * world_size
+    dist.all_gather_object(objs, {"r": rank, "s": "x" * rank})
+    out["all_gather_object"] = torch.tensor([o["r"] * 100 + len(o["s"]) for o in objs])
+    nxt, prev = (rank + 1) % world_size, (rank - 1) % world_size
+    got = torch.empty(6)
+    for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.arange(6.0) * rank, nxt),
+                                       dist.P2POp(dist.irecv, got, prev)]):
+        req.wait()
+    out["batch_isend_irecv"] = got
+    return out
+
+
+@pytest.mark.parametrize("size", [3])
+def test_same_results_as_gloo(size: int) -> None:
+    with World(size, backend="gloo") as gloo:
+        want = gloo.run(_program)
+    with World(size, backend="tpu") as tpu:
+        got = tpu.run(_program)
+    for rank in range(size):
+        assert got[rank].keys() == want[rank].keys()
+        for name, expected in want[rank].items():
+            actual = got[rank][name]
+            assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
+            if expected.dtype.is_floating_point and "all_reduce" in name or "reduce_scatter" in name:
+                torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=name)
+            else:
+                assert torch.equal(actual, expected), (rank, name, actual, expected)
