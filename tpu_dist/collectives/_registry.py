@@ -24,15 +24,18 @@ def _create_process_group(
 ) -> ProcessGroupTPU:
     """The creator torch calls for every new "tpu" group (extended API)."""
     rank, size = dist_opts.group_rank, dist_opts.group_size
-    global_ranks = list(dist_opts.global_ranks_in_group) or list(range(size))
-    if _runtime.info() is None:
-        if len(global_ranks) != size or global_ranks != list(range(size)):
-            raise RuntimeError(
-                "tpu_dist: the first 'tpu' process group must be the default group "
-                "(init_process_group('tpu')); got a subgroup of global ranks "
-                f"{global_ranks}."
-            )
+    global_ranks = list(dist_opts.global_ranks_in_group)
+    if not global_ranks:
+        # The default group (torch passes no ranks for it): start JAX, or check
+        # that the running JAX runtime has this world.
         _runtime.start(dist_opts.store, rank, size, dist_opts.timeout)
+        global_ranks = list(range(size))
+    elif _runtime.info() is None:
+        raise RuntimeError(
+            "tpu_dist: the first 'tpu' process group must be the default group "
+            "(init_process_group('tpu')); got a subgroup of global ranks "
+            f"{global_ranks}."
+        )
     return ProcessGroupTPU(rank, size, global_ranks, dist_opts.timeout)
 
 

@@ -1,0 +1,105 @@
+"""Registration, platform selection, and destroy/re-init of the default group."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import World
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, "PYTHONPATH": REPO, **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=120, env=full_env,
+    )
+
+
+def test_import_registers_tpu_once() -> None:
+    proc = _python("""
+        import torch.distributed as dist
+        import tpu_dist, tpu_dist.collectives as tc
+        assert tc.register_backend() == "tpu" == tpu_dist.BACKEND   # idempotent
+        assert "tpu" in dist.Backend.backend_list
+        assert dist.Backend._plugins["TPU"].extended_api
+        print("ok")
+    """)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_existing_tpu_registration_is_not_replaced() -> None:
+    proc = _python("""
+        import warnings
+        import torch.distributed as dist
+        def other_creator(*args):
+            raise AssertionError("not ours")
+        dist.Backend.register_backend("tpu", other_creator, devices=["cpu"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            import tpu_dist
+        assert tpu_dist.BACKEND == ""
+        assert dist.Backend._plugins["TPU"].creator_fn is other_creator
+        print([str(w.message) for w in caught if "tpu_dist" in str(w.message)][0])
+    """)
+    assert proc.returncode == 0, proc.stderr
+    assert "already registered" in proc.stdout and "TPU_DIST_BACKEND_NAME" in proc.stdout
+
+
+def test_backend_name_from_env() -> None:
+    proc = _python("""
+        import torch.distributed as dist
+        import tpu_dist
+        print(tpu_dist.BACKEND, "tpu_dist" in dist.Backend.backend_list)
+    """, env={"TPU_DIST_BACKEND_NAME": "tpu_dist"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["tpu_dist", "True"]
+
+
+def _init_with_bad_platform(rank: int, world_size: int) -> str:
+    try:
+        dist.init_process_group("tpu", rank=rank, world_size=world_size)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_bad_platform_env_is_a_clear_error() -> None:
+    with World(1, backend="tpu", init=False, env={"TPU_DIST_PLATFORM": "quantum"}) as world:
+        (message,) = world.run(_init_with_bad_platform)
+    assert "TPU_DIST_PLATFORM='quantum'" in message and "cpu" in message
+
+
+def _destroy_and_reinit(rank: int, world_size: int, rendezvous: str) -> tuple[float, str]:
+    dist.destroy_process_group()
+    dist.init_process_group("tpu", init_method=f"file://{rendezvous}", rank=rank, world_size=world_size)
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    # A world of another size cannot reuse this process's JAX runtime: a clear error.
+    try:
+        dist.init_process_group("tpu", init_method=f"file://{rendezvous}.solo{rank}", rank=0, world_size=1)
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    # Leave a working default group behind for the harness's own teardown.
+    dist.init_process_group("tpu", init_method=f"file://{rendezvous}.again", rank=rank, world_size=world_size)
+    return t.item(), message
+
+
+def test_destroy_then_init_again(tmp_path: pytest.TempPathFactory) -> None:
+    with World(2, backend="tpu") as world:
+        results = world.run(_destroy_and_reinit, str(tmp_path / "rdv"))
+    for total, message in results:
+        assert total == 1.0
+        assert "world_size=2" in message and "world_size=1" in message and "new process" in message
