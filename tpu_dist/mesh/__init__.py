@@ -1,0 +1,49 @@
+"""TPU topologies and topology-aware device meshes.
+
+A :class:`Topology` says which TPU chip each rank drives (generation, per-slice torus shape,
+slices, hosts); :func:`plan_mesh` lays global ranks out as a mesh whose inner axes ride ICI
+between neighbouring chips and whose outer axes cross DCN; :func:`init_device_mesh` and
+:func:`mesh_to_jax` give that layout as a torch ``DeviceMesh`` and a ``jax.sharding.Mesh``::
+
+    from tpu_dist.mesh import Topology, plan_mesh, init_device_mesh
+
+    topo = Topology.from_accelerator_type("v5p-128")              # 64 chips, 4x4x4
+    ranks = plan_mesh(topo, (4, 16))                               # (4, 16) array of ranks
+    mesh = init_device_mesh((2, 4), mesh_dim_names=("dp", "tp"))   # on the running world
+
+CPU-emulated ranks get virtual chips from ``TPU_DIST_TOPOLOGY`` / ``TPU_DIST_NUM_SLICES``
+(see :func:`current_topology`). ``python -m tpu_dist.mesh --help`` prints plans.
+"""
+
+from __future__ import annotations
+
+from tpu_dist.mesh._device_mesh import (
+    NUM_SLICES_ENV,
+    TOPOLOGY_ENV,
+    current_topology,
+    init_device_mesh,
+    mesh_to_jax,
+)
+from tpu_dist.mesh._plan import plan_mesh
+from tpu_dist.mesh._generations import (
+    Generation,
+    generations,
+    get_generation,
+    register_generation,
+)
+from tpu_dist.mesh._topology import Chip, Topology
+
+__all__ = [
+    "NUM_SLICES_ENV",
+    "TOPOLOGY_ENV",
+    "Chip",
+    "Generation",
+    "Topology",
+    "current_topology",
+    "generations",
+    "get_generation",
+    "init_device_mesh",
+    "mesh_to_jax",
+    "plan_mesh",
+    "register_generation",
+]

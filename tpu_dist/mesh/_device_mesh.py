@@ -1,0 +1,253 @@
+"""The running world's topology, and topology-aware torch ``DeviceMesh`` / JAX ``Mesh``.
+
+Thin glue: :func:`current_topology` decides which chips the ranks have (emulated from the
+environment, or real TPU devices), :func:`init_device_mesh` builds the torch ``DeviceMesh`` of
+:func:`~tpu_dist.mesh.plan_mesh`, :func:`mesh_to_jax` gives the same layout as a JAX ``Mesh``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpu_dist.mesh._plan import plan_mesh
+from tpu_dist.mesh._topology import Topology
+
+if TYPE_CHECKING:
+    import jax
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = [
+    "NUM_SLICES_ENV",
+    "TOPOLOGY_ENV",
+    "current_topology",
+    "init_device_mesh",
+    "mesh_to_jax",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _EnvKnob:
+    """One environment variable: its name, default and meaning, declared once."""
+
+    env: str
+    default: str | None
+    help: str
+
+
+_TOPOLOGY = _EnvKnob(
+    env="TPU_DIST_TOPOLOGY",
+    default=None,
+    help=(
+        "The TPU topology CPU-emulated ranks pretend to run on: an accelerator type "
+        "('v5p-128', 'v5litepod-16') or 'generation:topology' ('v5p:16x16x24'). Unset: real "
+        "TPU devices if the 'tpu' backend runs on TPUs, else a default that fits the world size."
+    ),
+)
+_NUM_SLICES = _EnvKnob(
+    env="TPU_DIST_NUM_SLICES",
+    default="1",
+    help="Slices of TPU_DIST_TOPOLOGY, joined by DCN (a positive int).",
+)
+
+TOPOLOGY_ENV = _TOPOLOGY.env
+"""``"TPU_DIST_TOPOLOGY"``: see :func:`current_topology`."""
+NUM_SLICES_ENV = _NUM_SLICES.env
+"""``"TPU_DIST_NUM_SLICES"``: see :func:`current_topology`."""
+
+
+def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology | None:
+    """The emulated topology ``TPU_DIST_TOPOLOGY`` / ``TPU_DIST_NUM_SLICES`` ask for, or None.
+
+    Raises:
+        ValueError: a variable is malformed; the message names it.
+    """
+    environ = os.environ if environ is None else environ
+    spec = environ.get(_TOPOLOGY.env, "").strip()
+    raw_slices = environ.get(_NUM_SLICES.env, "").strip()
+    if not spec:
+        if raw_slices:
+            raise ValueError(
+                f"{_NUM_SLICES.env}={raw_slices!r} is set but {_TOPOLOGY.env} is not; set both "
+                f"(e.g. {_TOPOLOGY.env}=v5p-8 {_NUM_SLICES.env}=2) or neither"
+            )
+        return None
+    raw_slices = raw_slices or str(_NUM_SLICES.default)
+    try:
+        num_slices = int(raw_slices)
+    except ValueError:
+        num_slices = 0
+    if num_slices < 1 or str(num_slices) != raw_slices.lstrip("+"):
+        raise ValueError(f"{_NUM_SLICES.env} must be a positive int, got {raw_slices!r}")
+    try:
+        return Topology.parse(spec, num_slices)
+    except ValueError as err:
+        raise ValueError(f"{_TOPOLOGY.env}={spec!r}: {err}") from err
+
+
+def current_topology(world_size: int | None = None) -> Topology:
+    """The topology of the running world: which chip each rank drives.
+
+    In order:
+
+    1. ``TPU_DIST_TOPOLOGY`` (with ``TPU_DIST_NUM_SLICES``, default 1) if set: an emulated
+       topology (``tpu-launch --emulate TYPE`` sets both). Explicit, so it wins.
+    2. The real TPU devices of the "tpu" backend (``tpu_dist.collectives.global_devices()``)
+       when its process group runs on TPUs.
+    3. :meth:`Topology.for_world_size`: a default emulated topology with one device per rank
+       (4 ranks: v5p 2x2x1; 8 ranks: v5p 2x2x2).
+
+    Args:
+        world_size: The number of ranks; default: the default process group's size. Required
+            when no process group is initialised and no real devices are known.
+
+    Raises:
+        ValueError: malformed environment variables, or a topology whose device count is not
+            the world size.
+        RuntimeError: no world size can be found.
+    """
+    import torch.distributed as dist
+
+    if world_size is None and dist.is_available() and dist.is_initialized():
+        world_size = dist.get_world_size()
+    topology = topology_from_env()
+    if topology is None:
+        topology = _real_tpu_topology()
+    if topology is None:
+        if world_size is None:
+            raise RuntimeError(
+                "current_topology() needs the world size: initialise the default process group "
+                f"first, pass world_size=..., or set {_TOPOLOGY.env}"
+            )
+        return Topology.for_world_size(world_size)
+    if world_size is not None and topology.num_devices != world_size:
+        raise ValueError(
+            f"{_TOPOLOGY.env}={os.environ.get(_TOPOLOGY.env)!r} with {_NUM_SLICES.env}="
+            f"{topology.num_slices} has {topology.num_devices} devices, but the world has "
+            f"{world_size} ranks (one device per rank); pick a topology of {world_size} devices "
+            f"or unset {_TOPOLOGY.env} for the default"
+            if os.environ.get(_TOPOLOGY.env)
+            else f"the TPU devices ({topology.describe()}) are {topology.num_devices}, but the "
+            f"world has {world_size} ranks; run one rank per device"
+        )
+    return topology
+
+
+def _real_tpu_topology() -> Topology | None:
+    """The topology of the "tpu" backend's devices, if it runs on real TPUs; else None."""
+    try:
+        from tpu_dist.collectives import global_devices
+    except ImportError:
+        return None
+    try:
+        devices = global_devices()
+    except RuntimeError:  # The "tpu" backend's runtime has not started.
+        return None
+    if not devices or getattr(devices[0], "platform", None) != "tpu":
+        return None
+    return Topology.from_devices(devices)
+
+
+def init_device_mesh(
+    mesh_shape: Sequence[int],
+    mesh_dim_names: Sequence[str] | None = None,
+    dcn_mesh_shape: Sequence[int] | None = None,
+) -> DeviceMesh:
+    """A torch ``DeviceMesh`` over all ranks, laid out for the TPU topology.
+
+    ``mesh.mesh`` equals ``plan_mesh(current_topology(), mesh_shape, dcn_mesh_shape)``: inner
+    (last) axes on ICI neighbours, outer axes across DCN. Axes are ordered by increasing traffic
+    (data parallel first, tensor parallel last). The device type is ``"cpu"``, the device type
+    the "tpu" backend is registered for (tensors stay torch CPU tensors; the backend moves them);
+    it works as well on a "gloo" default group.
+
+    SPMD: every rank of the default process group must call it, with the same arguments (it
+    creates one process group per axis, collectively). Each rank gets the same mesh and its own
+    coordinates. A 2x4 mesh on 8 ranks (default topology v5p 2x2x2; ``mesh_dim_names=("dp",
+    "tp")``)::
+
+        mesh.mesh = [[0, 2, 3, 1],      rank  get_coordinate()  tp group      dp group
+                     [4, 6, 7, 5]]      0     [0, 0]            [0, 2, 3, 1]  [0, 4]
+                                        1     [0, 3]            [0, 2, 3, 1]  [1, 5]
+                                        2     [0, 1]            [0, 2, 3, 1]  [2, 6]
+                                        7     [1, 2]            [4, 6, 7, 5]  [3, 7]
+
+    Each tp group is a ring over one host's 2x2 chips, chips (0,0) (0,1) (1,1) (1,0) (one hop
+    each step); dp pairs the two hosts along z. A rank that passes other arguments, or does not
+    call, hangs or fails in the process-group creation of torch's ``DeviceMesh``.
+
+    Args:
+        mesh_shape: The mesh; with ``dcn_mesh_shape``, the mesh inside one slice.
+        mesh_dim_names: One name per axis (``("dp", "tp")``), or None.
+        dcn_mesh_shape: How slices multiply each axis (see :func:`plan_mesh`); default: slices
+            are split off the outermost axes of ``mesh_shape``.
+
+    Raises:
+        RuntimeError: the default process group is not initialised.
+        ValueError: the shapes or names do not fit (see :func:`plan_mesh`).
+    """
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "init_device_mesh needs the default process group: call "
+            "torch.distributed.init_process_group('tpu') (or 'gloo') first"
+        )
+    names = _check_names(mesh_dim_names, len(tuple(mesh_shape)))
+    ranks = plan_mesh(current_topology(dist.get_world_size()), mesh_shape, dcn_mesh_shape)
+    return DeviceMesh("cpu", torch.from_numpy(ranks), mesh_dim_names=names)
+
+
+def mesh_to_jax(mesh: DeviceMesh, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
+    """The same layout as a ``jax.sharding.Mesh``: position for position, rank ``r`` -> its device.
+
+    Works for a sub-mesh too (``mesh["tp"]``): its ranks' devices, in its layout. Axis names
+    are ``mesh.mesh_dim_names``, or ``axis0``, ``axis1``, ... when the mesh has none.
+
+    Args:
+        mesh: A torch ``DeviceMesh`` (from :func:`init_device_mesh` or any other).
+        devices: The JAX device of each global rank, indexed by rank; default:
+            ``tpu_dist.collectives.global_devices()`` (the "tpu" backend's).
+
+    Raises:
+        RuntimeError: ``devices`` not given and the "tpu" backend has not started.
+        ValueError: a rank of the mesh has no device.
+    """
+    import jax
+
+    if devices is None:
+        from tpu_dist.collectives import global_devices
+
+        devices = global_devices()
+    ranks = mesh.mesh.cpu().numpy()
+    if ranks.size and (ranks.min() < 0 or ranks.max() >= len(devices)):
+        raise ValueError(
+            f"the mesh holds ranks {ranks.min()}..{ranks.max()}, but devices has "
+            f"{len(devices)} entries (one per global rank)"
+        )
+    array = np.empty(ranks.shape, dtype=object)
+    for index, rank in np.ndenumerate(ranks):
+        array[index] = devices[int(rank)]
+    names = mesh.mesh_dim_names or tuple(f"axis{k}" for k in range(ranks.ndim))
+    return jax.sharding.Mesh(array, tuple(names))
+
+
+def _check_names(names: Sequence[str] | None, ndim: int) -> tuple[str, ...] | None:
+    if names is None:
+        return None
+    if isinstance(names, str):
+        raise ValueError(f"mesh_dim_names must be a sequence of names, got the string {names!r}")
+    names = tuple(names)
+    if len(names) != ndim or len(set(names)) != len(names) or not all(
+        isinstance(n, str) and n for n in names
+    ):
+        raise ValueError(
+            f"mesh_dim_names must be {ndim} distinct non-empty names, one per axis, got {names}"
+        )
+    return names

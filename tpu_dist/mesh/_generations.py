@@ -1,0 +1,436 @@
+"""TPU generations: chip grids, hosts, slice shapes, link speeds, and their registry.
+
+Pure data (no JAX, no torch). A :class:`Generation` knows which slice shapes exist, which axes
+wrap around, how chips are grouped on hosts and what its ICI and DCN links carry; the registry
+(:func:`register_generation`, :func:`get_generation`) is the seam for generations to come.
+
+Generations and the figures used for each (bidirectional ICI bandwidth per chip, DCN bandwidth
+per chip), with their sources in each generation's ``source`` field:
+
+======= ========== ============ ====== ============ ========== ===== ===============
+name    chip grid  wraparound   cores  devices/chip chips/host ICI   DCN
+======= ========== ============ ====== ============ ========== ===== ===============
+v4      3-D        whole cubes  2      1 (megacore) 4          540   25 (estimate)
+v5e     2-D        16-chip side 1      1            8          400   25
+v5p     3-D        whole cubes  2      1 (megacore) 4          1200  50
+v6e     2-D        16-chip side 1      1            8          800   100
+v7x     3-D        whole cubes  2      2            4          1200  100
+======= ========== ============ ====== ============ ========== ===== ===============
+
+(ICI in GB/s summed over a chip's links, DCN in Gb/s.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Literal
+
+__all__ = [
+    "Generation",
+    "format_shape",
+    "generations",
+    "get_generation",
+    "register_generation",
+    "subset_products",
+]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Generation:
+    """One TPU generation: how its chips, hosts and slices are laid out, and its link speeds.
+
+    Slice shapes follow one of two rules, chosen by ``torus_ndim``:
+
+    * 3-D (v4, v5p, v7x): chips sit in 4x4x4 *cubes* joined by optical circuit switches. A slice
+      is either one of ``small_shapes`` (less than a cube: 2x2x1, 2x2x2, 2x2x4, 2x4x4) or
+      ``AxBxC`` with ``A <= B <= C``, every side a multiple of 4 (whole cubes), and at most
+      ``max_chips_per_slice`` chips. Whole-cube slices are full 3-D tori (every axis wraps
+      around); smaller ones are 3-D meshes without wraparound.
+    * 2-D (v5e, v6e): a pod is one 16x16 2-D torus; a slice is one of ``small_shapes`` (1x1 up
+      to 16x16). An axis wraps around only where the slice spans the pod's full side
+      (``pod_side`` chips); a smaller slice is a 2-D mesh along that axis. The Cloud docs only
+      say "2D torus" for the pod; JAX's v5e mesh handler builds explicit snake rings for 2x2,
+      2x4 and 4x4 slices, which it would not need if those slices wrapped around.
+    """
+
+    name: str
+    """Canonical name: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, ``"v7x"``."""
+    aliases: tuple[str, ...] = ()
+    """Other names it goes by; each also works as an accelerator-type prefix (``v5e-16``)."""
+    device_kind: str
+    """``jax.Device.device_kind`` of its chips: how real TPU devices are recognised."""
+    torus_ndim: Literal[2, 3]
+    """Dimensions of the chip grid of a slice."""
+    tensorcores_per_chip: int
+    """TensorCores on one chip."""
+    devices_per_chip: int
+    """JAX devices (so ranks) per chip: 2 on v7x, whose chiplets are separate devices; else 1."""
+    chips_per_host: int
+    """Chips attached to one host (TPU VM) of a multi-host slice."""
+    host_shape: tuple[int, ...]
+    """The block of the chip grid that one host of a multi-host slice holds."""
+    accelerator_prefix: str
+    """The prefix of its Cloud TPU accelerator types (``"v5litepod"`` in ``v5litepod-16``)."""
+    accelerator_type_counts: Literal["chips", "tensorcores"]
+    """What ``N`` counts in the accelerator type ``<prefix>-N`` (``v5p-128`` is 64 chips)."""
+    small_shapes: tuple[tuple[int, ...], ...]
+    """Documented slice shapes: all of them (2-D), or those smaller than one cube (3-D)."""
+    max_chips_per_slice: int
+    """Largest single slice, in chips."""
+    pod_side: int | None = None
+    """2-D only: chips along a side of the pod's torus; such a full side wraps around."""
+    ici_gbytes_per_s: float
+    """Bidirectional ICI bandwidth per chip, GB/s, summed over its ``ici_ports`` links."""
+    ici_ports: int
+    """ICI links per chip (6 on a 3-D torus, 4 on a 2-D one)."""
+    dcn_gbits_per_s: float
+    """Data-center-network bandwidth per chip, Gb/s."""
+    source: str
+    """Where the figures come from."""
+
+    def __post_init__(self) -> None:
+        if self.torus_ndim not in (2, 3):
+            raise ValueError(f"torus_ndim must be 2 or 3, got {self.torus_ndim=}")
+        if len(self.host_shape) != self.torus_ndim or math.prod(self.host_shape) != (
+            self.chips_per_host
+        ):
+            raise ValueError(
+                f"host_shape must be a {self.torus_ndim}-D block of chips_per_host chips, got "
+                f"{self.host_shape=} {self.chips_per_host=}"
+            )
+        if self.devices_per_chip not in (1, self.tensorcores_per_chip):
+            raise ValueError(
+                f"devices_per_chip must be 1 or tensorcores_per_chip, got "
+                f"{self.devices_per_chip=} {self.tensorcores_per_chip=}"
+            )
+        if self.torus_ndim == 2 and self.pod_side is None:
+            raise ValueError(f"a 2-D generation needs pod_side, got {self.name=}")
+
+    # -- slice shapes ---------------------------------------------------------------------------
+
+    def is_valid_shape(self, shape: Sequence[int]) -> bool:
+        """Whether ``shape`` is a slice shape of this generation (see the class docstring)."""
+        shape = tuple(shape)
+        if len(shape) != self.torus_ndim:
+            return False
+        if shape in self.small_shapes:
+            return True
+        if self.torus_ndim == 2:
+            return False
+        return (
+            all(s % 4 == 0 and s > 0 for s in shape)
+            and list(shape) == sorted(shape)
+            and math.prod(shape) <= self.max_chips_per_slice
+        )
+
+    def shapes_with_chips(self, num_chips: int) -> list[tuple[int, ...]]:
+        """Every valid slice shape of ``num_chips`` chips, the most cube-like first."""
+        found = [s for s in self.small_shapes if math.prod(s) == num_chips]
+        if (
+            self.torus_ndim == 3
+            and num_chips % 64 == 0
+            and 0 < num_chips <= self.max_chips_per_slice
+        ):
+            cubes = num_chips // 64
+            for a in range(1, cubes + 1):
+                for b in range(a, cubes // a + 1):
+                    if cubes % (a * b) == 0 and cubes // (a * b) >= b:
+                        found.append((4 * a, 4 * b, 4 * (cubes // (a * b))))
+        return sorted(set(found), key=lambda s: (max(s), -min(s), s))
+
+    def default_shape(self, num_chips: int) -> tuple[int, ...]:
+        """The slice shape Cloud TPU gives ``num_chips`` chips: the most cube-like one.
+
+        Raises:
+            ValueError: no slice of this generation has ``num_chips`` chips.
+        """
+        shapes = self.shapes_with_chips(num_chips)
+        if not shapes:
+            raise ValueError(
+                f"no {self.name} slice has {num_chips} chips; {self.name} slices have "
+                f"{_format_counts(self.valid_chip_counts())} chips ({self.describe_shapes()})"
+            )
+        return shapes[0]
+
+    def valid_chip_counts(self, limit: int = 64) -> list[int]:
+        """Chip counts of valid slices, smallest first (at most ``limit`` of them)."""
+        counts = sorted({math.prod(s) for s in self.small_shapes})
+        if self.torus_ndim == 3:
+            counts += range(64, self.max_chips_per_slice + 1, 64)
+        return sorted(set(counts))[:limit]
+
+    def describe_shapes(self) -> str:
+        """The shape rule in words, for error messages."""
+        small = ", ".join(format_shape(s) for s in self.small_shapes)
+        if self.torus_ndim == 2:
+            return f"{self.name} slice shapes: {small}"
+        return (
+            f"{self.name} slice shapes: {small}, or AxBxC with A<=B<=C, each a multiple of 4 "
+            f"(whole 4x4x4 cubes), at most {self.max_chips_per_slice} chips, e.g. 4x4x4, "
+            "4x4x8, 8x16x16"
+        )
+
+    def check_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """``shape`` as a tuple, if it is a valid slice shape.
+
+        Raises:
+            ValueError: it is not; the message lists the shapes of that many chips, if any.
+        """
+        shape = tuple(int(s) for s in shape)
+        if self.is_valid_shape(shape):
+            return shape
+        if len(shape) != self.torus_ndim:
+            raise ValueError(
+                f"a {self.name} slice is a {self.torus_ndim}-D grid of chips, got "
+                f"topology {format_shape(shape)}; {self.describe_shapes()}"
+            )
+        n = math.prod(shape)
+        same = self.shapes_with_chips(n)
+        hint = (
+            f"{n}-chip {self.name} slices: {', '.join(map(format_shape, same))}"
+            if same
+            else f"no {self.name} slice has {n} chips"
+        )
+        raise ValueError(
+            f"{format_shape(shape)} is not a {self.name} slice shape ({hint}); "
+            f"{self.describe_shapes()}"
+        )
+
+    def wraparound(self, shape: Sequence[int]) -> tuple[bool, ...]:
+        """For each axis of a slice of ``shape``, whether its ICI links wrap around (a ring)."""
+        if self.torus_ndim == 3:
+            whole_cubes = all(s % 4 == 0 for s in shape)
+            return tuple(whole_cubes for _ in shape)
+        return tuple(s == self.pod_side for s in shape)
+
+    def host_block(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The block of chips one host holds in a slice of ``shape``.
+
+        A slice smaller than one host (v5e 1x1, 2x2) is a single host holding the whole slice.
+        """
+        shape = tuple(shape)
+        if math.prod(shape) <= self.chips_per_host:
+            return shape
+        if any(s % h for s, h in zip(shape, self.host_shape)):
+            raise ValueError(
+                f"a {format_shape(shape)} {self.name} slice does not split into hosts of "
+                f"{format_shape(self.host_shape)} chips"
+            )
+        return self.host_shape
+
+    def accelerator_type(self, num_chips: int) -> str:
+        """The Cloud TPU accelerator type of a slice of ``num_chips`` chips (``"v5p-128"``)."""
+        per_chip = self.tensorcores_per_chip if self.accelerator_type_counts == "tensorcores" else 1
+        return f"{self.accelerator_prefix}-{num_chips * per_chip}"
+
+
+# -- the registry of generations -----------------------------------------------------------------
+
+_GENERATIONS: dict[str, Generation] = {}
+_BY_ALIAS: dict[str, Generation] = {}
+
+
+def register_generation(generation: Generation) -> Generation:
+    """Add a generation (or replace one of the same name); its name and aliases become valid.
+
+    The extension seam for TPU generations this package does not know yet.
+    """
+    for alias in _names(generation):
+        other = _BY_ALIAS.get(alias)
+        if other is not None and other.name != generation.name:
+            raise ValueError(f"{alias=} of {generation.name} already names {other.name}")
+    old = _GENERATIONS.get(generation.name)
+    if old is not None:
+        for alias in _names(old):
+            _BY_ALIAS.pop(alias, None)
+    _GENERATIONS[generation.name] = generation
+    for alias in _names(generation):
+        _BY_ALIAS[alias] = generation
+    return generation
+
+
+def _names(generation: Generation) -> set[str]:
+    return {
+        n.lower() for n in (generation.name, generation.accelerator_prefix, *generation.aliases)
+    }
+
+
+def get_generation(name: str | Generation) -> Generation:
+    """The generation called ``name`` (a canonical name or an alias, any case).
+
+    Raises:
+        ValueError: unknown name; the message lists the known ones.
+    """
+    if isinstance(name, Generation):
+        return name
+    found = _BY_ALIAS.get(str(name).strip().lower())
+    if found is None:
+        raise ValueError(f"unknown TPU generation {name!r}; supported: {_supported_names()}")
+    return found
+
+
+def generations() -> Mapping[str, Generation]:
+    """The registered generations by canonical name (read-only view)."""
+    return MappingProxyType(_GENERATIONS)
+
+
+def _supported_names() -> str:
+    parts = []
+    for g in _GENERATIONS.values():
+        others = sorted(_names(g) - {g.name.lower()})
+        parts.append(f"{g.name} (also {', '.join(others)})" if others else g.name)
+    return "; ".join(parts)
+
+
+_CUBE_SMALL_SHAPES = ((2, 2, 1), (2, 2, 2), (2, 2, 4), (2, 4, 4))
+_POD_2D_SHAPES = ((1, 1), (2, 2), (2, 4), (4, 4), (4, 8), (8, 8), (8, 16), (16, 16))
+
+V4 = register_generation(
+    Generation(
+        name="v4",
+        device_kind="TPU v4",
+        torus_ndim=3,
+        tensorcores_per_chip=2,
+        devices_per_chip=1,
+        chips_per_host=4,
+        host_shape=(2, 2, 1),
+        accelerator_prefix="v4",
+        accelerator_type_counts="tensorcores",
+        small_shapes=_CUBE_SMALL_SHAPES,
+        max_chips_per_slice=4096,
+        ici_gbytes_per_s=540.0,
+        ici_ports=6,
+        dcn_gbits_per_s=25.0,
+        source=(
+            "shapes, megacore, 4096-chip pod: cloud.google.com/tpu/docs/v4 and "
+            "/tpu/docs/types-topologies (AxBxC, A<=B<=C, all <=4 or all multiples of 4); "
+            "ICI: 6 links x 45 GB/s each way (jax-ml.github.io/scaling-book/tpus); "
+            "DCN: not published for v4, 25 Gb/s per chip is an estimate"
+        ),
+    )
+)
+V5E = register_generation(
+    Generation(
+        name="v5e",
+        aliases=("v5lite",),
+        device_kind="TPU v5 lite",
+        torus_ndim=2,
+        tensorcores_per_chip=1,
+        devices_per_chip=1,
+        chips_per_host=8,
+        host_shape=(2, 4),
+        accelerator_prefix="v5litepod",
+        accelerator_type_counts="chips",
+        small_shapes=_POD_2D_SHAPES,
+        max_chips_per_slice=256,
+        pod_side=16,
+        ici_gbytes_per_s=400.0,
+        ici_ports=4,
+        dcn_gbits_per_s=25.0,
+        source=(
+            "cloud.google.com/tpu/docs/v5e: 400 GB/s bidirectional ICI per chip, 4 ICI ports, "
+            "8 chips per host, 2 x 100 Gb/s NICs per host (25 Gb/s per chip), 16x16 2-D torus pod"
+        ),
+    )
+)
+V5P = register_generation(
+    Generation(
+        name="v5p",
+        device_kind="TPU v5p",
+        torus_ndim=3,
+        tensorcores_per_chip=2,
+        devices_per_chip=1,
+        chips_per_host=4,
+        host_shape=(2, 2, 1),
+        accelerator_prefix="v5p",
+        accelerator_type_counts="tensorcores",
+        small_shapes=_CUBE_SMALL_SHAPES,
+        max_chips_per_slice=6144,
+        ici_gbytes_per_s=1200.0,
+        ici_ports=6,
+        dcn_gbits_per_s=50.0,
+        source=(
+            "cloud.google.com/tpu/docs/v5p: 1200 GB/s bidirectional ICI and 50 Gb/s DCN per "
+            "chip, 4-chip VMs, slices up to 16x16x24 (6144 chips), 4x4x4 and larger are full "
+            "3-D tori"
+        ),
+    )
+)
+V6E = register_generation(
+    Generation(
+        name="v6e",
+        aliases=("trillium",),
+        device_kind="TPU v6 lite",
+        torus_ndim=2,
+        tensorcores_per_chip=1,
+        devices_per_chip=1,
+        chips_per_host=8,
+        host_shape=(2, 4),
+        accelerator_prefix="v6e",
+        accelerator_type_counts="chips",
+        small_shapes=_POD_2D_SHAPES,
+        max_chips_per_slice=256,
+        pod_side=16,
+        ici_gbytes_per_s=800.0,
+        ici_ports=4,
+        dcn_gbits_per_s=100.0,
+        source=(
+            "cloud.google.com/tpu/docs/v6e and /tpu/docs/tpu7x: 800 GB/s bidirectional ICI per "
+            "chip, 4 ICI ports, 8 chips per host, 4 x 200 Gb/s NICs per host (100 Gb/s per chip), "
+            "16x16 2-D torus pod"
+        ),
+    )
+)
+V7X = register_generation(
+    Generation(
+        name="v7x",
+        aliases=("ironwood",),
+        device_kind="TPU7x",
+        torus_ndim=3,
+        tensorcores_per_chip=2,
+        devices_per_chip=2,
+        chips_per_host=4,
+        host_shape=(2, 2, 1),
+        accelerator_prefix="tpu7x",
+        accelerator_type_counts="tensorcores",
+        small_shapes=_CUBE_SMALL_SHAPES,
+        max_chips_per_slice=9216,
+        ici_gbytes_per_s=1200.0,
+        ici_ports=6,
+        dcn_gbits_per_s=100.0,
+        source=(
+            "cloud.google.com/tpu/docs/tpu7x: 1200 GB/s bidirectional ICI and 100 Gb/s DCN per "
+            "chip, two TensorCores per chip exposed as two devices, 4-chip VMs, 9216-chip pod; "
+            "the slice shapes are assumed to follow v5p's cube rules"
+        ),
+    )
+)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def format_shape(shape: Iterable[int]) -> str:
+    return "x".join(str(s) for s in shape)
+
+
+def _format_counts(counts: Sequence[int]) -> str:
+    if len(counts) > 10:
+        return ", ".join(map(str, counts[:10])) + f", ... {counts[-1]}"
+    return ", ".join(map(str, counts))
+
+
+def subset_products(sides: Iterable[int]) -> list[int]:
+    """Products of every non-empty subset of ``sides``, sorted: the sizes of whole-axis groups."""
+    sides = list(sides)
+    return sorted(
+        {
+            math.prod(c)
+            for k in range(1, len(sides) + 1)
+            for c in itertools.combinations(sides, k)
+        }
+    )
