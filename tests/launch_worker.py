@@ -1,0 +1,202 @@
+"""A worker script for the tpu-launch tests: ``tpu-launch tests/launch_worker.py MODE [options]``.
+
+Modes (one per behaviour under test):
+
+* ``allreduce``: ``init_process_group(--backend)``, all-reduce ``rank + 1`` and check the sum
+  is ``world * (world + 1) / 2``; prints ``ALLREDUCE rank=R world=W sum=S`` (and ``ENV {json}``
+  of the launcher-given variables). The backend is a flag so the tests can move from "gloo" to
+  "tpu" by changing one parameter.
+* ``fail``: rank ``--fail-rank`` exits with ``--exit-code`` (or raises with ``--raise``) after
+  ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
+* ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
+  ``--fail-rank`` writes the marker and exits 1; later attempts run ``allreduce``.
+* ``env``: print ``ENV {json}`` of the launcher-given variables (no torch import: cheap).
+* ``sleep``: write the pid to ``--pid-dir`` and sleep (for signal tests).
+
+The bottom of this file also holds the helpers the ``tests/test_launch_*.py`` modules use to run
+``python -m tpu_dist.launch`` as a subprocess (always with a timeout, in its own session, killed
+with its workers if it overruns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+
+LAUNCH_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "TPU_DIST_PLATFORM",
+    "TPU_DIST_TOPOLOGY",
+    "TPU_DIST_NUM_SLICES",
+    "TPU_VISIBLE_CHIPS",
+    "TPU_PROCESS_PORT",
+    "CLOUD_TPU_TASK_ID",
+    "TPU_PROCESS_BOUNDS",
+    "TPU_CHIPS_PER_PROCESS_BOUNDS",
+    "TPU_PROCESS_ADDRESSES",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TPU_DIST_LAUNCH_WORKER_ENV",
+)
+
+
+def _write_pid(pid_dir: str | None) -> None:
+    if pid_dir:
+        path = os.path.join(pid_dir, f"{os.environ['RANK']}.pid")
+        with open(path, "w") as f:
+            f.write(str(os.getpid()))
+
+
+def _allreduce(backend: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "tpu":
+        import tpu_dist  # noqa: F401  (registers the backend)
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert rank == int(os.environ["RANK"]) and world == int(os.environ["WORLD_SIZE"])
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    expected = world * (world + 1) / 2
+    if t.item() != expected:
+        sys.exit(f"rank {rank}: all_reduce gave {t.item()}, expected {expected}")
+    env = {k: os.environ[k] for k in LAUNCH_VARS if k in os.environ}
+    print(f"ALLREDUCE rank={rank} world={world} sum={t.item():g}", flush=True)
+    print("ENV " + json.dumps(env, sort_keys=True), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["allreduce", "env", "fail", "fail-once", "sleep"])
+    parser.add_argument("--backend", default="gloo")
+    parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--exit-code", type=int, default=3)
+    parser.add_argument("--raise", dest="raise_", action="store_true")
+    parser.add_argument("--delay", type=float, default=0.0)
+    parser.add_argument("--pid-dir")
+    parser.add_argument("--marker")
+    parser.add_argument("--sleep", type=float, default=120.0)
+    args = parser.parse_args()
+    rank = int(os.environ["RANK"])
+
+    if args.mode == "allreduce":
+        _allreduce(args.backend)
+    elif args.mode == "env":
+        env = {k: os.environ[k] for k in LAUNCH_VARS if k in os.environ}
+        print("ENV " + json.dumps(env, sort_keys=True), flush=True)
+    elif args.mode == "fail":
+        _write_pid(args.pid_dir)
+        if rank == args.fail_rank:
+            time.sleep(args.delay)
+            if args.raise_:
+                raise RuntimeError(f"deliberate failure on rank {rank}")
+            sys.exit(args.exit_code)
+        time.sleep(args.sleep)
+    elif args.mode == "fail-once":
+        if rank == args.fail_rank and not os.path.exists(args.marker):
+            with open(args.marker, "w") as f:
+                f.write("failed once\n")
+            print(f"rank {rank}: failing on purpose (attempt 0)", flush=True)
+            sys.exit(1)
+        _allreduce(args.backend)
+        print(f"RESUMED rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+    elif args.mode == "sleep":
+        _write_pid(args.pid_dir)
+        print(f"SLEEPING rank={rank}", flush=True)
+        time.sleep(args.sleep)
+
+
+# -- helpers for the tests that drive tpu-launch -------------------------------------------------
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.abspath(__file__)
+_SCRUB = ("TPU_", "PET_", "MEGASCALE_", "TORCHELASTIC_", "JOB_COMPLETION_INDEX")
+_SCRUB_EXACT = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+)
+
+
+def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without launcher/TPU variables, plus ``extra``."""
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(_SCRUB) and k not in _SCRUB_EXACT
+    }
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_launcher(
+    args: Sequence[str], *, env: Mapping[str, str] | None = None
+) -> subprocess.Popen:
+    """``python -m tpu_dist.launch ARGS`` in its own session, output captured."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tpu_dist.launch", *args],
+        cwd=REPO,
+        env=clean_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
+    """Waits for a launcher; on overrun kills it (its workers die with it) and raises."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(
+            f"tpu-launch did not finish within {timeout}s\n--- stdout\n{out}\n--- stderr\n{err}"
+        ) from None
+    return proc.returncode, out, err
+
+
+def run_launcher(
+    args: Sequence[str], *, timeout: float = 150.0, env: Mapping[str, str] | None = None
+) -> tuple[int, str, str]:
+    """Runs ``python -m tpu_dist.launch ARGS`` to completion: (exit code, stdout, stderr)."""
+    return finish(start_launcher(args, env=env), timeout)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` is a live (not zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+if __name__ == "__main__":
+    main()

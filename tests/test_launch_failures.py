@@ -1,0 +1,109 @@
+"""tpu-launch when things go wrong on one host: a failing worker, SIGTERM, a killed launcher.
+
+Workers here never import torch (``tests/launch_worker.py`` modes ``fail`` and ``sleep``), so the
+launcher's own startup dominates each test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from tests.launch_worker import WORKER, finish, pid_alive, run_launcher, start_launcher
+
+
+def _pids(pid_dir: str) -> dict[int, int]:
+    return {
+        int(name.split(".")[0]): int(open(os.path.join(pid_dir, name)).read())
+        for name in os.listdir(pid_dir)
+        if name.endswith(".pid")
+    }
+
+
+def _wait_for_pids(
+    pid_dir: str, count: int, proc: subprocess.Popen, timeout: float = 60.0
+) -> dict[int, int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pids = _pids(pid_dir)
+        if len(pids) == count:
+            return pids
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            raise AssertionError(f"launcher exited early ({proc.returncode}):\n{out}\n{err}")
+        time.sleep(0.2)
+    raise AssertionError(f"workers did not start within {timeout}s")
+
+
+def _wait_dead(pids: Iterable[int], timeout: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(pid_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if pid_alive(p)]
+
+
+def test_failing_worker_stops_the_group_and_reports_rank_code_traceback(tmp_path: Path) -> None:
+    code, out, err = run_launcher(
+        [
+            "--nproc-per-node",
+            "2",
+            WORKER,
+            "fail",
+            "--raise",
+            "--delay",
+            "0.5",
+            "--pid-dir",
+            str(tmp_path),
+        ]
+    )
+    assert code == 1, err
+    assert "tpu-launch: worker failed: node 0: rank 1 (local rank 1, pid" in err
+    assert "exited with code 1" in err
+    # The traceback comes from the error file tpu-launch's worker entry wrote (no @record needed).
+    root_cause = err.split("Root Cause")[1]
+    assert "error_file: <N/A>" not in root_cause
+    assert "RuntimeError: deliberate failure on rank 1" in root_cause
+    assert "launch_worker.py FAILED" in err  # the user's script is named, not the worker entry
+    assert "[rank1]:RuntimeError: deliberate failure on rank 1" in err  # the worker's own stderr
+    pids = _pids(str(tmp_path))
+    assert sorted(pids) == [0, 1]
+    assert _wait_dead(pids.values(), timeout=5) == []  # rank 0 (sleeping 120 s) was stopped
+
+
+def test_exit_code_is_reported(tmp_path: Path) -> None:
+    code, _, err = run_launcher(
+        ["--nproc-per-node", "2", WORKER, "fail", "--exit-code", "7", "--pid-dir", str(tmp_path)]
+    )
+    assert code == 1
+    assert "rank 1 (local rank 1" in err and "exited with code 7" in err
+    assert _wait_dead(_pids(str(tmp_path)).values(), timeout=5) == []
+
+
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path: Path) -> None:
+    proc = start_launcher(["--nproc-per-node", "2", WORKER, "sleep", "--pid-dir", str(tmp_path)])
+    try:
+        pids = _wait_for_pids(str(tmp_path), 2, proc)
+        proc.send_signal(signal.SIGTERM)
+        code, _, err = finish(proc, timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert code == 128 + signal.SIGTERM, err
+    assert "tpu-launch: got SIGTERM; stopped node 0's workers" in err
+    assert _wait_dead(pids.values()) == []
+
+
+def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
+    proc = start_launcher(["--nproc-per-node", "2", WORKER, "sleep", "--pid-dir", str(tmp_path)])
+    try:
+        pids = _wait_for_pids(str(tmp_path), 2, proc)
+        proc.kill()  # SIGKILL: elastic gets no chance to clean up
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert _wait_dead(pids.values(), timeout=10) == []  # PR_SET_PDEATHSIG did it

@@ -1,0 +1,67 @@
+"""tpu-launch across restarts and hosts: --max-restarts resumes a job; one host's failure stops all.
+
+The restart test's worker fails once (a marker file records the first attempt, as a checkpoint
+would), then all-reduces over the c10d backend given by ``BACKENDS``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.launch_worker import WORKER, finish, free_port, pid_alive, run_launcher, start_launcher
+
+BACKENDS = ["gloo"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_max_restarts_resumes_a_job_that_failed_once(tmp_path: Path, backend: str) -> None:
+    marker = tmp_path / "checkpoint"
+    code, out, err = run_launcher(
+        [
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            WORKER,
+            "fail-once",
+            "--marker",
+            str(marker),
+            "--backend",
+            backend,
+        ]
+    )
+    assert code == 0, err
+    assert marker.exists()
+    assert "[rank1]:rank 1: failing on purpose (attempt 0)" in out
+    for rank in (0, 1):
+        assert f"[rank{rank}]:RESUMED rank={rank} restart=1" in out
+
+
+def test_one_hosts_failure_stops_the_other_host(tmp_path: Path) -> None:
+    """Node 1's rank 3 exits 7 while node 0's workers sleep outside any collective."""
+    port = free_port()
+    worker = [
+        WORKER,
+        "fail",
+        "--fail-rank",
+        "3",
+        "--exit-code",
+        "7",
+        "--delay",
+        "1",
+        "--pid-dir",
+        str(tmp_path),
+    ]
+    common = ["--nnodes", "2", "--nproc-per-node", "2", "--master-port", str(port)]
+    nodes = [start_launcher([*common, "--node-rank", str(n), *worker]) for n in (0, 1)]
+    (code0, _, err0), (code1, _, err1) = [finish(p, timeout=150) for p in nodes]
+    assert code1 == 1, err1
+    assert "tpu-launch: worker failed: node 1: rank 3 (local rank 1" in err1
+    assert "exited with code 7" in err1
+    assert code0 == 1, err0
+    assert "stopped node 0's workers because another host failed: node 1: rank 3" in err0
+    pids = [int(open(os.path.join(tmp_path, f)).read()) for f in os.listdir(tmp_path)]
+    assert len(pids) == 4 and not [p for p in pids if pid_alive(p)]

@@ -1,0 +1,155 @@
+"""``tpu-launch``: run the workers of a torch.distributed job on TPU hosts, or emulate them on CPU.
+
+``tpu-launch`` (also ``python -m tpu_dist.launch``) starts the worker processes of *one host*,
+one per TPU chip by default; the same command on every host of the job forms one
+``torch.distributed`` world. Process management, rendezvous, restarts, log handling and error
+files are torch.distributed.elastic's (the engine behind ``torchrun``), and every torchrun flag
+works as under torchrun. What ``tpu-launch`` adds is TPU knowledge: it finds out which host of
+which slice it runs on, starts one worker per chip, and gives each worker the TPU runtime
+variables for its chip.
+
+Recipes
+=======
+
+One machine, CPU emulation (no TPU needed)::
+
+    tpu-launch --emulate v5litepod-8 train.py --lr 3e-4      # 8 workers, one per emulated chip
+    tpu-launch --emulate v5p:2x2x2 train.py                  # 8 workers emulating 2 hosts
+    tpu-launch --nproc-per-node 4 train.py                   # 4 plain CPU workers
+
+Two emulated hosts on one machine (or on two machines: use the first one's address)::
+
+    tpu-launch --emulate v5p:2x2x2 --nnodes 2 --node-rank 0 --master-port 29500 train.py &
+    tpu-launch --emulate v5p:2x2x2 --nnodes 2 --node-rank 1 --master-port 29500 train.py
+
+A Cloud TPU VM pod slice (every host discovers its index, the host count and the master from
+the TPU metadata server; nothing to pass)::
+
+    gcloud compute tpus tpu-vm ssh NAME --zone ZONE --worker=all \\
+        --command="tpu-launch train.py"
+
+GKE with JobSet (one indexed Job per slice; GKE's TPU webhook sets ``TPU_WORKER_ID`` and
+``TPU_WORKER_HOSTNAMES``, so the container command is just)::
+
+    command: ["tpu-launch", "train.py"]
+
+Multislice (queued resources or a JobSet with several slices): ``MEGASCALE_NUM_SLICES``,
+``MEGASCALE_SLICE_ID`` and ``MEGASCALE_COORDINATOR_ADDRESS`` (set by the platform) give the
+slice count, this host's slice and the master; node rank = slice id x hosts per slice + worker
+id. Emulated: ``tpu-launch --emulate v5e:2x4 --num-slices 2 train.py``.
+
+Fault tolerance: ``--max-restarts N`` restarts the worker group up to N times; a script that
+resumes from its last checkpoint then completes. With several hosts, tpu-launch switches the
+default static rendezvous to c10d so that all hosts restart together.
+
+Check a launch without starting anything: ``tpu-launch --dry-run ... train.py`` prints the
+resolved launch (and where each value came from), and per host and rank every variable the
+worker would get.
+
+How a host finds out where it is
+================================
+
+Each value comes from the first of: a flag; its environment variable (``PET_NNODES``,
+``PET_NODE_RANK``, ... as torchrun; ``TPU_DIST_TOPOLOGY`` for ``--emulate``,
+``TPU_DIST_NUM_SLICES`` for ``--num-slices``); the environment the platform set
+(``TPU_WORKER_ID``, ``TPU_WORKER_HOSTNAMES``, ``TPU_ACCELERATOR_TYPE``, ``TPU_TOPOLOGY``,
+``MEGASCALE_*``, GKE's ``JOB_COMPLETION_INDEX``); the Cloud TPU metadata server (asked only when a
+TPU is attached, with a 1 s timeout: ``TPU_DIST_METADATA_TIMEOUT``); single-host defaults.
+
+* **mode**: ``--emulate`` -> CPU emulation; else a TPU attached (PCI) or
+  ``TPU_DIST_PLATFORM=tpu`` -> TPU; else plain CPU workers.
+* **--nnodes**: hosts per slice x slices on TPU; 1 otherwise.
+* **--node-rank**: slice id x hosts per slice + worker id; 0 otherwise.
+* **--nproc-per-node** (alias ``--nproc-per-host``, or ``auto``): the host's chips on TPU (or 1:
+  one process driving all chips); the emulated chips / nnodes with ``--emulate``; 1 otherwise.
+* **--master-addr**: the multislice coordinator, else worker 0 of ``TPU_WORKER_HOSTNAMES``, else
+  127.0.0.1. **--master-port**: 29500; a single-host launch uses a c10d rendezvous on a free port
+  instead (as torchrun does).
+
+Variables each worker gets
+==========================
+
+From torch.distributed.elastic, as under torchrun: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``ROLE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_ERROR_FILE``, ... (``RANK`` = node rank x nproc +
+local rank).
+
+From tpu-launch:
+
+=================================  ===========================================================
+``TPU_DIST_PLATFORM``               ``cpu`` when emulating or without TPU (unless you set it)
+``TPU_DIST_TOPOLOGY``               the ``--emulate`` topology (emulation)
+``TPU_DIST_NUM_SLICES``             the slice count (emulation)
+``TPU_VISIBLE_CHIPS``               the worker's chip: its local rank (TPU)
+``TPU_CHIPS_PER_PROCESS_BOUNDS``    ``1,1,1`` (TPU)
+``TPU_PROCESS_BOUNDS``              the slice's chip grid, e.g. ``2,2,2`` for v4-16 (TPU)
+``TPU_PROCESS_ADDRESSES``           ``host:port`` of every worker of the slice (TPU)
+``TPU_PROCESS_PORT``                ``--tpu-base-port`` (8476) + local rank (TPU)
+``CLOUD_TPU_TASK_ID``               worker id x nproc + local rank (TPU)
+``OMP_NUM_THREADS``                 1 with several workers per host (as torchrun)
+=================================  ===========================================================
+
+The TPU variables are set only with one worker per chip; with ``--nproc-per-node 1`` the single
+worker sees every chip of its host. A variable you set yourself is never silently overwritten:
+it wins and the launcher says so at start (and in ``--dry-run``), except ``TPU_DIST_TOPOLOGY`` /
+``TPU_DIST_NUM_SLICES`` when you also pass ``--emulate`` / ``--num-slices`` (the flag wins, and
+the launcher says so). The elastic variables above are always set per worker.
+
+Output
+======
+
+Every worker's stdout and stderr lines reach the console prefixed by the global rank,
+``[rank3]:...`` (torchrun's ``--tee 3`` with the prefix template ``[rank${rank}]:``; change it
+with ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, or pass ``--tee 0`` for unprefixed output). Logs
+and error files go under ``--log-dir`` (a temporary folder by default).
+
+Failure modes
+=============
+
+* **Bad flags or environment**: exit code 2 with what was expected and the fix; nothing starts.
+* **Pre-flight** (skip with ``--skip-preflight``): the master port taken on node 0, a
+  ``TPU_PROCESS_PORT`` taken, a TPU device file or ``/tmp/libtpu_lockfile`` held by a live
+  process (the pid and command are named), a host count that does not match the topology: exit
+  code 2. A stale lockfile and conflicting variables are warnings.
+* **A worker exits non-zero or is killed**: elastic stops the host's other workers (SIGTERM,
+  then SIGKILL after ``--shutdown-timeout``), restarts the group if restarts are left, else the
+  launcher prints torchrun's failure table (rank, exit code, and the traceback from the error
+  file: ``tpu-launch`` records uncaught exceptions itself, no ``@record`` needed) and
+  ``tpu-launch: worker failed: node N: rank R (...) exited with code C``, tells the other hosts'
+  launchers through the rendezvous store (they stop their workers within about a second), and
+  exits 1.
+* **SIGINT/SIGTERM to the launcher**: every worker is stopped; exit code 128 + signal.
+* **The launcher itself is killed (SIGKILL)**: the kernel kills its workers
+  (``PR_SET_PDEATHSIG``), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+# The programmatic pipeline behind the command, in order: parse_args -> discover -> resolve ->
+# compute_worker_env -> preflight -> format_dry_run (or launch). Only discover and preflight look
+# at the machine (env, sysfs, /proc, the metadata server); the other steps are pure.
+from tpu_dist.launch._chips import SliceShape, parse_slice
+from tpu_dist.launch._cli import main, parse_args
+from tpu_dist.launch._config import Entrypoint, LaunchSpec, resolve
+from tpu_dist.launch._discovery import Discovery, MetadataClient, discover
+from tpu_dist.launch._env import WorkerEnv, compute_worker_env
+from tpu_dist.launch._preflight import Problem, preflight
+from tpu_dist.launch._run import format_dry_run
+
+__all__ = [
+    "Discovery",
+    "Entrypoint",
+    "LaunchSpec",
+    "MetadataClient",
+    "Problem",
+    "SliceShape",
+    "WorkerEnv",
+    "compute_worker_env",
+    "discover",
+    "format_dry_run",
+    "main",
+    "parse_args",
+    "parse_slice",
+    "preflight",
+    "resolve",
+]

@@ -1,0 +1,247 @@
+"""Command line: torchrun's flags plus the TPU ones -> :func:`tpu_dist.launch._config.resolve`.
+
+torchrun's own parser (``torch.distributed.run.get_args_parser``) is reused, so every torchrun
+flag and its ``PET_*`` environment default behave as under torchrun. The values discovery may
+supply (``--nnodes``, ``--nproc-per-node``, ``--node-rank``, ``--master-addr``,
+``--rdzv-backend``) and ``--tee`` default to "not given" instead of torchrun's constants, unless
+their ``PET_*`` variable is set, so that :func:`~tpu_dist.launch._config.resolve` can tell an
+explicit choice from a default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+__all__ = ["TPU_KNOBS", "Knob", "build_parser", "main", "parse_args"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Knob:
+    """One TPU flag: its spellings, environment variable, type, default and help, declared once."""
+
+    flags: tuple[str, ...]
+    dest: str
+    env: str | None
+    type: Callable[[str], Any] | None
+    default: Any
+    help: str
+    metavar: str | None = None
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise ValueError(f"must be a TCP port (1..65535), got {value}")
+    return value
+
+
+TPU_KNOBS: tuple[Knob, ...] = (
+    Knob(
+        flags=("--emulate",),
+        dest="emulate",
+        env="TPU_DIST_TOPOLOGY",
+        type=str,
+        default=None,
+        metavar="TYPE",
+        help="Run CPU workers emulating this TPU topology, one worker per chip: an accelerator "
+        "type (v5litepod-8, v4-16) or GENERATION:TOPOLOGY (v5p:2x2x2). Workers get "
+        "TPU_DIST_TOPOLOGY, TPU_DIST_NUM_SLICES and TPU_DIST_PLATFORM=cpu. Without a TPU and "
+        "without this flag, workers are plain CPU processes.",
+    ),
+    Knob(
+        flags=("--num-slices", "--num_slices"),
+        dest="num_slices",
+        env="TPU_DIST_NUM_SLICES",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="Slices in the job (multislice). Default: MEGASCALE_NUM_SLICES, else 1.",
+    ),
+    Knob(
+        flags=("--tpu-base-port", "--tpu_base_port"),
+        dest="tpu_base_port",
+        env="TPU_DIST_TPU_BASE_PORT",
+        type=_port,
+        default=8476,
+        metavar="PORT",
+        help="First TPU_PROCESS_PORT on each host; local rank i uses PORT+i (TPU only).",
+    ),
+)
+
+
+class _KnobAction(argparse.Action):
+    """Takes its default from the knob's environment variable, parsed strictly."""
+
+    def __init__(self, *args: Any, knob: Knob, environ: Mapping[str, str], **kwargs: Any) -> None:
+        default, source = knob.default, "default"
+        if knob.env and knob.env in environ:
+            raw = environ[knob.env]
+            try:
+                default = knob.type(raw) if knob.type else raw
+            except ValueError as err:
+                raise ValueError(
+                    f"{knob.env}={raw!r} is invalid for {knob.flags[0]}: {err}"
+                ) from err
+            source = knob.env
+        super().__init__(*args, default=default, **kwargs)
+        self.knob, self.source = knob, source
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_source", option_string)
+
+
+def _type_for(knob: Knob) -> Callable[[str], Any] | None:
+    if knob.type is None:
+        return None
+
+    def convert(text: str) -> Any:
+        try:
+            return knob.type(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+
+    convert.__name__ = getattr(knob.type, "__name__", "value")
+    return convert
+
+
+def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+    """torchrun's parser with tpu_dist's flags and defaults (see the module docstring)."""
+    from torch.distributed.run import get_args_parser
+
+    env = os.environ if environ is None else environ
+    parser = get_args_parser()
+    parser.prog = "tpu-launch"
+    parser.description = (
+        "Start the workers of one host of a torch.distributed job on TPU (or CPU emulation). "
+        "See `python -c 'import tpu_dist.launch; help(tpu_dist.launch)'` for the manual."
+    )
+    # Not given -> None (resolved from discovery), unless the PET_* variable gives it.
+    parser.set_defaults(
+        **{
+            dest: None
+            for dest in (
+                "nnodes",
+                "nproc_per_node",
+                "node_rank",
+                "master_addr",
+                "rdzv_backend",
+                "tee",
+            )
+            if f"PET_{dest.upper()}" not in env
+        }
+    )
+    parser.add_argument(
+        "--nproc-per-host",
+        "--nproc_per_host",
+        dest="nproc_per_node",
+        default=argparse.SUPPRESS,
+        help="Alias of --nproc-per-node. Default (auto): one worker per local TPU chip; with "
+        "--emulate, one per emulated chip of this node; otherwise 1.",
+    )
+    group = parser.add_argument_group("TPU")
+    for knob in TPU_KNOBS:
+        group.add_argument(
+            *knob.flags,
+            dest=knob.dest,
+            type=_type_for(knob),
+            metavar=knob.metavar,
+            help=knob.help + (f" Env: {knob.env}." if knob.env else ""),
+            action=_KnobAction,
+            knob=knob,
+            environ=env,
+        )
+    group.add_argument(
+        "--dry-run",
+        "--dry_run",
+        action="store_true",
+        help="Print the resolved launch, and for every host and rank the environment each worker "
+        "would get, then exit without starting anything.",
+    )
+    group.add_argument(
+        "--skip-preflight",
+        "--skip_preflight",
+        action="store_true",
+        help="Skip the pre-flight checks (ports, TPU devices held by other processes, host count).",
+    )
+    return parser
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> argparse.Namespace:
+    """Parses ``argv``; each TPU knob's ``<dest>_source`` says whether a flag or env var set it."""
+    env = os.environ if environ is None else environ
+    args = build_parser(env).parse_args(argv)
+    for knob in TPU_KNOBS:
+        if not hasattr(args, f"{knob.dest}_source"):
+            setattr(args, f"{knob.dest}_source", knob.env if knob.env in env else "default")
+    return args
+
+
+def _setup_logging() -> None:
+    logger = logging.getLogger("tpu_dist.launch")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``tpu-launch``: parse, discover, resolve, check, then launch (or print, with --dry-run).
+
+    Exits with the code documented in :mod:`tpu_dist.launch._run`.
+    """
+    from tpu_dist.launch._config import resolve
+    from tpu_dist.launch._discovery import discover
+    from tpu_dist.launch._env import compute_worker_env
+    from tpu_dist.launch._preflight import Problem, preflight
+    from tpu_dist.launch._run import format_dry_run, launch
+
+    _setup_logging()
+    environ = dict(os.environ)  # the user's environment, before the launcher exports anything
+    try:
+        args = parse_args(argv, environ)
+        spec = resolve(args, discover(environ), environ)
+        worker_env = compute_worker_env(spec, environ)
+    except ValueError as err:
+        sys.stderr.write(f"tpu-launch: error: {err}\n")
+        sys.exit(2)
+    if spec.preflight:
+        problems = preflight(spec, worker_env)
+    else:
+        problems = [Problem("warning", n) for n in (*spec.notes, *worker_env.notes)]
+    errors = [p for p in problems if p.severity == "error"]
+    if spec.dry_run:
+        sys.stdout.write(format_dry_run(spec, environ, problems))
+        sys.exit(2 if errors else 0)
+    for problem in problems:
+        sys.stderr.write(f"tpu-launch: {problem.severity}: {problem.message}\n")
+    if errors:
+        sys.stderr.write(
+            f"tpu-launch: {len(errors)} pre-flight error(s); nothing was started "
+            "(--skip-preflight skips the checks)\n"
+        )
+        sys.exit(2)
+    sys.exit(launch(spec, worker_env))

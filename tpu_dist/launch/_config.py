@@ -1,0 +1,432 @@
+"""The launch configuration: parsed flags + discovery -> one frozen, validated :class:`LaunchSpec`.
+
+Precedence for every value that discovery can supply (node rank, node count, master address,
+workers per host, slices): an explicit flag, then its environment variable (``PET_*`` for
+torchrun's flags, ``TPU_DIST_*`` for ours), then discovery (:mod:`._discovery`), then the
+single-host default. Every resolved value records where it came from in
+:attr:`LaunchSpec.provenance`; every choice made on the user's behalf is a line in
+:attr:`LaunchSpec.notes`, logged at start and printed by ``--dry-run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import uuid
+from collections.abc import Mapping
+from typing import Literal
+
+from tpu_dist.launch._chips import SliceShape, parse_slice
+from tpu_dist.launch._discovery import Discovery, read_platform
+
+__all__ = ["DEFAULT_MASTER_PORT", "Entrypoint", "LaunchSpec", "Mode", "resolve"]
+
+Mode = Literal["tpu", "emulate", "cpu"]
+EntryKind = Literal["python", "module", "exec", "run_path"]
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_TPU_BASE_PORT = 8476
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Entrypoint:
+    """What each worker runs."""
+
+    kind: EntryKind
+    """``python`` (``python -u script``), ``module`` (``python -u -m``), ``exec`` (``--no-python``)
+    or ``run_path`` (``--run-path``: ``runpy`` inside the spawned worker)."""
+    target: str
+    """The script, module or executable."""
+    args: tuple[str, ...] = ()
+    """Its arguments."""
+    python: str = sys.executable
+    """The interpreter (``PYTHON_EXEC`` overrides, as in torchrun)."""
+
+    def command(self) -> tuple[str, ...]:
+        """The command line as the user would type it (for messages and ``--dry-run``)."""
+        if self.kind == "exec":
+            return (self.target, *self.args)
+        if self.kind == "module":
+            return (self.python, "-u", "-m", self.target, *self.args)
+        return (self.python, "-u", self.target, *self.args)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """Everything one ``tpu-launch`` needs, resolved and checked. Built by :func:`resolve`."""
+
+    mode: Mode
+    """``tpu``: a TPU is attached; ``emulate``: CPU workers emulating ``topology``; ``cpu``: plain
+    CPU workers (no TPU and no ``--emulate``)."""
+    slice: SliceShape | None
+    """The slice: emulated, or the discovered accelerator type; ``None`` when unknown."""
+    topology: str | None
+    """``TPU_DIST_TOPOLOGY`` for the workers (emulation only)."""
+    num_slices: int
+    """Slices in the job."""
+    slice_id: int
+    """This host's slice (TPU mode)."""
+    worker_id: int
+    """This host's index within its slice (TPU mode; ``CLOUD_TPU_TASK_ID`` derives from it)."""
+    worker_hostnames: tuple[str, ...]
+    """Hosts of this slice by worker id, for ``TPU_PROCESS_ADDRESSES`` (TPU mode)."""
+    expected_nodes: int | None
+    """Hosts the topology implies (TPU mode), checked against ``max_nodes`` by pre-flight."""
+    min_nodes: int
+    max_nodes: int
+    node_rank: int
+    """Rank of this launcher among the launchers (static rendezvous)."""
+    nproc_per_node: int
+    """Workers this launcher starts."""
+    master_addr: str
+    master_port: int | None
+    """``None`` with a c10d rendezvous on a free port (single host)."""
+    rdzv_backend: str
+    rdzv_endpoint: str
+    rdzv_id: str
+    max_restarts: int
+    tee: str
+    """torchrun's ``--tee``; ``"3"`` (both streams, rank-prefixed) unless given."""
+    platform: str | None
+    """``TPU_DIST_PLATFORM`` to hand to workers; ``None`` leaves the variable alone."""
+    tpu_base_port: int
+    """First of this host's ``TPU_PROCESS_PORT`` values (one port per local worker)."""
+    entry: Entrypoint
+    dry_run: bool = False
+    preflight: bool = True
+    provenance: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    """Resolved field -> where its value came from."""
+    notes: tuple[str, ...] = ()
+    """Choices made on the user's behalf, one sentence each."""
+    torchrun: argparse.Namespace | None = dataclasses.field(default=None, compare=False)
+    """torchrun's parsed flags, passed through unchanged for the ones tpu_dist does not resolve
+    (logs, signals, NUMA, ...); see :func:`tpu_dist.launch._run.elastic_config`."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_nodes <= self.max_nodes:
+            raise ValueError(
+                f"--nnodes must be N or MIN:MAX with 0 < MIN <= MAX, got "
+                f"{self.min_nodes}:{self.max_nodes}"
+            )
+        if not 0 <= self.node_rank < self.max_nodes:
+            raise ValueError(
+                f"node rank {self.node_rank} ({self.provenance.get('node_rank', '?')}) is outside "
+                f"0..{self.max_nodes - 1} for {self.max_nodes} nodes"
+            )
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.num_slices < 1:
+            raise ValueError(f"--num-slices must be >= 1, got {self.num_slices}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the job when every node has joined."""
+        return self.max_nodes * self.nproc_per_node
+
+    @property
+    def one_chip_per_process(self) -> bool:
+        """TPU mode with one worker per local chip: the TPU runtime variables are set."""
+        return self.mode == "tpu" and (self.nproc_per_node > 1 or self._host_chips() == 1)
+
+    def _host_chips(self) -> int | None:
+        return self.slice.chips_per_host if self.slice else None
+
+
+def _parse_nnodes(text: str) -> tuple[int, int]:
+    parts = str(text).split(":")
+    try:
+        if len(parts) == 1:
+            return int(parts[0]), int(parts[0])
+        if len(parts) == 2:
+            return int(parts[0]), int(parts[1])
+    except ValueError:
+        pass
+    raise ValueError(f"--nnodes must be N or MIN:MAX, got {text!r}")
+
+
+def _flag_label(flag: str, dest: str, environ: Mapping[str, str]) -> str:
+    var = f"PET_{dest.upper()}"
+    return f"{flag} / {var}" if var in environ else flag
+
+
+def _entrypoint(args: argparse.Namespace, environ: Mapping[str, str]) -> Entrypoint:
+    python = environ.get("PYTHON_EXEC", sys.executable)
+    script_args = tuple(args.training_script_args)
+    if args.run_path:
+        if not os.path.isabs(args.training_script):
+            raise ValueError(
+                f"--run-path needs an absolute script path, got {args.training_script!r}"
+            )
+        return Entrypoint(
+            kind="run_path", target=args.training_script, args=script_args, python=python
+        )
+    if args.no_python:
+        if args.module:
+            raise ValueError("--no-python and -m/--module cannot be used together")
+        return Entrypoint(kind="exec", target=args.training_script, args=script_args, python=python)
+    kind: EntryKind = "module" if args.module else "python"
+    return Entrypoint(kind=kind, target=args.training_script, args=script_args, python=python)
+
+
+def _tpu_slice(discovery: Discovery, notes: list[str]) -> SliceShape | None:
+    names = []
+    if discovery.accelerator_type and discovery.topology:
+        gen = discovery.accelerator_type.split("-")[0]
+        names.append(f"{gen}:{discovery.topology}")
+    if discovery.accelerator_type:
+        names.append(discovery.accelerator_type)
+    for name in names:
+        try:
+            return parse_slice(name)
+        except ValueError as err:
+            notes.append(f"could not read the slice {name!r} ({err})")
+    return None
+
+
+def resolve(
+    args: argparse.Namespace,
+    discovery: Discovery,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchSpec:
+    """Combines flags, their environment defaults and discovery into a :class:`LaunchSpec`.
+
+    Args:
+        args: from :func:`tpu_dist.launch._cli.parse_args` (``None`` marks a value not given).
+        discovery: from :func:`tpu_dist.launch._discovery.discover`.
+        environ: the launcher's environment (default ``os.environ``).
+
+    Raises:
+        ValueError: inconsistent or unreadable flags; the message names the flag and the fix.
+    """
+    env = dict(os.environ if environ is None else environ)
+    read_platform(env)  # validates TPU_DIST_PLATFORM early
+    notes: list[str] = []
+    prov: dict[str, str] = {}
+
+    # --- mode and slice -------------------------------------------------------------------
+    slice_shape: SliceShape | None
+    topology: str | None = None
+    if args.emulate:
+        mode: Mode = "emulate"
+        topology = args.emulate
+        slice_shape = parse_slice(args.emulate)
+        prov["topology"] = getattr(args, "emulate_source", "--emulate")
+        if discovery.on_tpu:
+            notes.append("a TPU is attached, but --emulate runs CPU workers emulating the topology")
+    elif discovery.on_tpu:
+        mode = "tpu"
+        slice_shape = _tpu_slice(discovery, notes)
+        if slice_shape is not None:
+            prov["topology"] = discovery.provenance.get("accelerator_type", "discovery")
+    else:
+        mode = "cpu"
+        slice_shape = None
+
+    if args.num_slices is not None:
+        num_slices = args.num_slices
+        prov["num_slices"] = getattr(args, "num_slices_source", "--num-slices")
+    elif discovery.num_slices is not None:
+        num_slices = discovery.num_slices
+        prov["num_slices"] = discovery.provenance["num_slices"]
+    else:
+        num_slices = 1
+        prov["num_slices"] = "default"
+    slice_id = discovery.slice_id or 0
+    worker_id = discovery.worker_id or 0
+
+    # --- node count -----------------------------------------------------------------------
+    hostnames = discovery.worker_hostnames
+    if mode == "tpu":
+        hosts_per_slice = len(hostnames) or (slice_shape.num_hosts if slice_shape else 1)
+        expected_nodes: int | None = hosts_per_slice * num_slices
+    else:
+        hosts_per_slice = len(hostnames) or 1
+        expected_nodes = None
+    if args.nnodes is not None:
+        min_nodes, max_nodes = _parse_nnodes(args.nnodes)
+        prov["nnodes"] = _flag_label("--nnodes", "nnodes", env)
+    else:
+        min_nodes = max_nodes = hosts_per_slice * num_slices if (mode == "tpu" or hostnames) else 1
+        if mode == "tpu":
+            where = discovery.provenance.get("worker_hostnames", "topology")
+            prov["nnodes"] = f"hosts per slice ({where}) x slices"
+        elif hostnames:
+            prov["nnodes"] = discovery.provenance["worker_hostnames"]
+        else:
+            prov["nnodes"] = "default"
+
+    # --- workers per node -----------------------------------------------------------------
+    nproc_text = args.nproc_per_node
+    if nproc_text is not None and str(nproc_text).strip().lower() not in ("auto", ""):
+        try:
+            nproc = int(nproc_text)
+        except ValueError:
+            from torch.distributed.run import determine_local_world_size
+
+            nproc = determine_local_world_size(str(nproc_text))
+        prov["nproc_per_node"] = _flag_label("--nproc-per-node", "nproc_per_node", env)
+    elif mode == "tpu":
+        if discovery.local_chips:
+            nproc = discovery.local_chips
+            prov["nproc_per_node"] = "one per local chip (PCI scan)"
+        elif slice_shape is not None:
+            nproc = slice_shape.chips_per_host
+            prov["nproc_per_node"] = f"one per chip of a {slice_shape.name} host"
+        else:
+            raise ValueError(
+                "cannot tell how many TPU chips this host has (no PCI chips found and no "
+                "accelerator type known): pass --nproc-per-node or set TPU_ACCELERATOR_TYPE"
+            )
+    elif mode == "emulate":
+        assert slice_shape is not None
+        total = slice_shape.num_devices * num_slices
+        if total % max_nodes:
+            raise ValueError(
+                f"--emulate {topology} has {total} devices ({num_slices} slice(s)), which do not "
+                f"split evenly over {max_nodes} nodes; pick --nnodes dividing {total}"
+            )
+        nproc = total // max_nodes
+        prov["nproc_per_node"] = f"one per emulated device: {total} / {max_nodes} node(s)"
+    else:
+        nproc = 1
+        prov["nproc_per_node"] = "default (no TPU and no --emulate)"
+
+    if mode == "emulate":
+        assert slice_shape is not None
+        total = slice_shape.num_devices * num_slices
+        if max_nodes * nproc != total:
+            raise ValueError(
+                f"--emulate {topology} x {num_slices} slice(s) has {total} devices, but "
+                f"{max_nodes} node(s) x {nproc} workers = {max_nodes * nproc} workers; emulation "
+                f"runs one worker per device: drop --nproc-per-node or make nnodes x nproc = "
+                f"{total}"
+            )
+    if mode == "tpu":
+        host_chips = discovery.local_chips or (slice_shape.chips_per_host if slice_shape else None)
+        if host_chips and nproc not in (1, host_chips):
+            raise ValueError(
+                f"this TPU host has {host_chips} chips; --nproc-per-node must be {host_chips} (one "
+                f"worker per chip) or 1 (one worker driving all chips), got {nproc}"
+            )
+        if host_chips and slice_shape is not None and host_chips != slice_shape.chips_per_host:
+            slice_shape = dataclasses.replace(slice_shape, chips_per_host=host_chips)
+        if args.virtual_local_rank and nproc > 1:
+            raise ValueError(
+                "--virtual-local-rank is a CUDA feature; on TPU each worker gets its chip through "
+                "TPU_VISIBLE_CHIPS instead: drop the flag"
+            )
+
+    # --- node rank and master address ---------------------------------------------------------
+    discovered_rank: int | None = None
+    if discovery.worker_id is not None:
+        discovered_rank = slice_id * hosts_per_slice + worker_id
+    if args.node_rank is not None:
+        node_rank = args.node_rank
+        prov["node_rank"] = _flag_label("--node-rank", "node_rank", env)
+        if mode == "tpu" and discovered_rank is not None and discovered_rank != node_rank:
+            notes.append(
+                f"--node-rank {node_rank} differs from the discovered host index {discovered_rank} "
+                f"({discovery.provenance.get('worker_id')}); the TPU runtime variables still "
+                "follow "
+                "the physical host"
+            )
+    elif discovered_rank is not None:
+        node_rank = discovered_rank
+        where = discovery.provenance.get("worker_id", "discovery")
+        prov["node_rank"] = where if slice_id == 0 else f"{where} and MEGASCALE_SLICE_ID"
+    else:
+        node_rank = 0
+        prov["node_rank"] = "default"
+
+    if args.master_addr is not None:
+        master_addr = args.master_addr
+        prov["master_addr"] = _flag_label("--master-addr", "master_addr", env)
+    elif num_slices > 1 and discovery.coordinator_address:
+        master_addr = discovery.coordinator_address
+        if master_addr.count(":") == 1:  # host:port (an IPv6 address has more colons)
+            master_addr = master_addr.split(":")[0]
+        prov["master_addr"] = discovery.provenance["coordinator_address"]
+    elif hostnames and max_nodes > 1:
+        master_addr = hostnames[0]
+        prov["master_addr"] = f"worker 0 of {discovery.provenance['worker_hostnames']}"
+    else:
+        master_addr = "127.0.0.1"
+        prov["master_addr"] = "default"
+
+    # --- rendezvous -----------------------------------------------------------------------
+    master_port = args.master_port
+    if master_port is not None:
+        prov["master_port"] = _flag_label("--master-port", "master_port", env)
+    backend = args.rdzv_backend or "static"
+    endpoint = args.rdzv_endpoint or ""
+    rdzv_id = args.rdzv_id or "none"
+    if args.standalone:
+        backend, endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        notes.append("--standalone: c10d rendezvous on a free local port")
+    elif backend == "static" and not endpoint and master_port is None and max_nodes == 1:
+        backend, endpoint, rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+        prov["master_port"] = "a free port (single node, as torchrun)"
+    else:
+        if master_port is None:
+            master_port = DEFAULT_MASTER_PORT
+            prov["master_port"] = "default"
+        if (
+            backend == "static"
+            and args.rdzv_backend is None
+            and args.max_restarts > 0
+            and max_nodes > 1
+        ):
+            backend = "c10d"
+            endpoint = endpoint or f"{master_addr}:{master_port}"
+            notes.append(
+                f"--max-restarts {args.max_restarts} on {max_nodes} nodes: using the c10d "
+                f"rendezvous at {endpoint} so that every node restarts together (the static "
+                "rendezvous cannot); node ranks are then assigned by the rendezvous"
+            )
+    prov["rdzv_backend"] = (
+        _flag_label("--rdzv-backend", "rdzv_backend", env) if args.rdzv_backend else "default"
+    )
+
+    # --- what workers get -------------------------------------------------------------------
+    platform: str | None = None
+    if "TPU_DIST_PLATFORM" in env:
+        prov["platform"] = "yours, passed through"
+    elif mode in ("emulate", "cpu"):
+        platform = "cpu"
+        prov["platform"] = f"{mode} mode"
+    tee = args.tee if args.tee is not None else "3"
+    if args.tee is None:
+        prov["tee"] = "default: both streams, each line prefixed by its rank"
+
+    return LaunchSpec(
+        mode=mode,
+        slice=slice_shape,
+        topology=topology,
+        num_slices=num_slices,
+        slice_id=slice_id,
+        worker_id=worker_id if discovery.worker_id is not None else node_rank % hosts_per_slice,
+        worker_hostnames=hostnames,
+        expected_nodes=expected_nodes,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        node_rank=node_rank,
+        nproc_per_node=nproc,
+        master_addr=master_addr,
+        master_port=master_port,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id,
+        max_restarts=args.max_restarts,
+        tee=tee,
+        platform=platform,
+        tpu_base_port=args.tpu_base_port,
+        entry=_entrypoint(args, env),
+        dry_run=args.dry_run,
+        preflight=not args.skip_preflight,
+        provenance=prov,
+        notes=tuple(notes),
+        torchrun=args,
+    )

@@ -1,0 +1,277 @@
+"""From a :class:`~._config.LaunchSpec` to running workers: the hand-off to torch's elastic agent.
+
+Also the ``--dry-run`` report, and the launcher's exit codes:
+
+====  =====================================================================================
+0     every worker of this host exited 0 (and, with several hosts, all agents passed elastic's
+      exit barrier)
+1     a worker failed for good (after ``--max-restarts``), another host's failure stopped this
+      one, or the rendezvous failed
+2     bad flags or environment, or a pre-flight error; nothing was started
+128+N the launcher got signal N (SIGINT, SIGTERM, ...) and stopped its workers
+====  =====================================================================================
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import shlex
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tpu_dist.launch import _worker
+from tpu_dist.launch._chips import placement
+from tpu_dist.launch._config import DEFAULT_MASTER_PORT, LaunchSpec
+from tpu_dist.launch._env import WorkerEnv, compute_worker_env, elastic_vars
+from tpu_dist.launch._preflight import Problem
+from tpu_dist.launch._watch import JobWatch
+
+__all__ = ["DEFAULT_LOG_LINE_PREFIX", "elastic_config", "format_dry_run", "launch"]
+
+logger = logging.getLogger("tpu_dist.launch")
+
+DEFAULT_LOG_LINE_PREFIX = "[rank${rank}]:"
+"""Each tee'd output line starts with its global rank, e.g. ``[rank3]:loss 0.1`` (override with
+torchrun's ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``)."""
+
+_DRY_RUN_MAX_NODES = 4
+
+
+def _placement(spec: LaunchSpec, rank: int) -> str:
+    """Where a rank sits in the (emulated) slice: one worker per device, ranks in host order."""
+    if spec.slice is None or not (spec.mode == "emulate" or spec.one_chip_per_process):
+        return ""
+    if spec.mode == "emulate" and spec.topology is not None:
+        where = placement(spec.topology, spec.num_slices, rank)
+        if where is not None:
+            return where
+    per_slice = spec.slice.num_devices
+    per_host = spec.slice.chips_per_host * spec.slice.devices_per_chip
+    within = rank % per_slice
+    return f"slice {rank // per_slice} host {within // per_host} chip {within % per_host}"
+
+
+def format_dry_run(
+    spec: LaunchSpec, environ: Mapping[str, str], problems: Sequence[Problem]
+) -> str:
+    """The ``--dry-run`` report: the resolved launch, then per host and rank each worker's
+    environment (elastic's variables and tpu-launch's), then notes and pre-flight findings."""
+    prov = spec.provenance
+    lines = ["tpu-launch --dry-run: nothing was started.", "", "launch"]
+
+    def row(name: str, value: str) -> None:
+        lines.append(f"  {name:<14}{value}")
+
+    if spec.mode == "emulate" and spec.slice is not None:
+        s = spec.slice
+        row(
+            "mode",
+            f"emulate: CPU workers emulating {spec.topology} ({s.generation}, {s.num_chips} chips "
+            f"in a {s.bounds_str.replace(',', 'x')} grid, {s.num_hosts} host(s) x "
+            f"{s.chips_per_host} chips) [{prov.get('topology')}]",
+        )
+    elif spec.mode == "tpu":
+        what = spec.slice.name if spec.slice else "unknown accelerator type"
+        row("mode", f"tpu: {what} [{prov.get('topology', 'discovery')}]")
+    else:
+        row("mode", "cpu: plain CPU workers (no TPU found, no --emulate)")
+    row("slices", f"{spec.num_slices} [{prov.get('num_slices')}]")
+    nodes = (
+        f"{spec.min_nodes}:{spec.max_nodes}"
+        if spec.min_nodes != spec.max_nodes
+        else str(spec.max_nodes)
+    )
+    row(
+        "nodes",
+        f"{nodes} [{prov.get('nnodes')}]; this is node {spec.node_rank} [{prov.get('node_rank')}]",
+    )
+    row("workers/node", f"{spec.nproc_per_node} [{prov.get('nproc_per_node')}]")
+    row("world size", str(spec.world_size))
+    if spec.rdzv_backend == "static":
+        where = prov.get("master_addr")
+        rdzv = f"static at {spec.master_addr}:{spec.master_port} [master_addr: {where}]"
+    else:
+        rdzv = f"{spec.rdzv_backend} at {spec.rdzv_endpoint} (id {spec.rdzv_id})"
+    row("rendezvous", rdzv)
+    row("restarts", str(spec.max_restarts))
+    row("command", shlex.join(spec.entry.command()))
+    tee = "both streams" if spec.tee == "3" else f"--tee {spec.tee}"
+    row("output", f"{tee}, lines prefixed {DEFAULT_LOG_LINE_PREFIX.replace('${rank}', '<RANK>')}")
+    if "platform" in prov:
+        value = spec.platform or environ.get("TPU_DIST_PLATFORM", "")
+        row("platform", f"TPU_DIST_PLATFORM={value} [{prov['platform']}]")
+
+    this = compute_worker_env(spec, environ)
+    lines += ["", "environment shared by every worker (besides the user's)"]
+    lines += [f"  {k}={v}" for k, v in sorted(this.shared.items())] or ["  (none)"]
+
+    shown = list(range(min(spec.max_nodes, _DRY_RUN_MAX_NODES)))
+    if spec.node_rank not in shown:
+        shown.append(spec.node_rank)
+    for node in shown:
+        wenv = this if node == spec.node_rank else compute_worker_env(spec, environ, node_rank=node)
+        mark = " (this host)" if node == spec.node_rank else ""
+        lines += ["", f"node {node}{mark}"]
+        for local_rank in range(spec.nproc_per_node):
+            env = {**elastic_vars(spec, node, local_rank), **wenv.per_rank[local_rank]}
+            rank = int(env["RANK"])
+            where = _placement(spec, rank)
+            head = f"  rank {rank}" + (f" [{where}]" if where else "")
+            lines.append(head + ": " + " ".join(f"{k}={v}" for k, v in env.items()))
+    if spec.max_nodes > len(shown):
+        lines.append(f"  ... {spec.max_nodes - len(shown)} more node(s) follow the same pattern")
+    if spec.rdzv_backend != "static":
+        lines.append("  (with a c10d rendezvous, node ranks are assigned when the nodes meet)")
+
+    if problems:
+        lines += ["", "pre-flight"]
+        lines += [f"  {p.severity}: {p.message}" for p in problems]
+    return "\n".join(lines) + "\n"
+
+
+def elastic_config(spec: LaunchSpec) -> tuple[Any, Callable[..., Any] | str, list[str]]:
+    """torch's ``LaunchConfig``, entrypoint and arguments for ``spec``.
+
+    Built by torchrun's own ``config_from_args`` from the parsed flags with tpu_dist's resolved
+    values written back, so that every torchrun flag keeps its torchrun meaning; the entrypoint
+    is then wrapped by :mod:`._worker`.
+    """
+    from torch.distributed.run import config_from_args
+
+    if spec.torchrun is None:
+        raise ValueError("LaunchSpec.torchrun is required to launch; build the spec with resolve()")
+    ns = copy.copy(spec.torchrun)
+    ns.nnodes = f"{spec.min_nodes}:{spec.max_nodes}"
+    ns.nproc_per_node = str(spec.nproc_per_node)
+    ns.node_rank = spec.node_rank
+    ns.master_addr = spec.master_addr
+    ns.master_port = spec.master_port if spec.master_port is not None else DEFAULT_MASTER_PORT
+    ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id = (
+        spec.rdzv_backend,
+        spec.rdzv_endpoint,
+        spec.rdzv_id,
+    )
+    ns.standalone = False
+    ns.tee = spec.tee
+    ns.run_path = ns.module = ns.no_python = False  # the entrypoint is ours, built below
+    config, _, _ = config_from_args(ns)
+    if config.log_line_prefix_template is None:
+        config.log_line_prefix_template = DEFAULT_LOG_LINE_PREFIX
+
+    entry = spec.entry
+    if entry.kind == "run_path":
+        return config, _worker.run_script_path, [entry.target, *entry.args]
+    worker_file = os.path.abspath(_worker.__file__)
+    return config, entry.python, ["-u", worker_file, entry.kind, entry.target, *entry.args]
+
+
+def _export(worker_env: WorkerEnv) -> None:
+    """Puts the workers' variables into this (launcher) process's environment; elastic's
+    workers inherit it."""
+    for var, value in sorted(worker_env.shared.items()):
+        logger.info("tpu-launch: setting %s=%s for the workers", var, value)
+        os.environ[var] = value
+    if any(worker_env.per_rank):
+        os.environ[_worker.WORKER_ENV_VAR] = json.dumps([dict(r) for r in worker_env.per_rank])
+    os.environ[_worker.LAUNCHER_PID_VAR] = str(os.getpid())
+
+
+def _failure_summary(spec: LaunchSpec, err: Any) -> str:
+    rank, failure = err.get_first_failure()
+    if failure.exitcode is not None and failure.exitcode < 0:
+        how = f"was killed by {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode}"
+    return (
+        f"node {spec.node_rank}: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
+        f"{how}"
+    )
+
+
+def _raise_signal_exception(signum: int, frame: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    raise SignalException(
+        f"tpu-launch got {signal.Signals(signum).name}", sigval=signal.Signals(signum)
+    )
+
+
+def _store_address(spec: LaunchSpec) -> tuple[str, int] | None:
+    if spec.max_nodes <= 1:
+        return None
+    if spec.rdzv_backend == "static":
+        return spec.master_addr, spec.master_port or DEFAULT_MASTER_PORT
+    host, _, port = spec.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or int(port) == 0:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def launch(spec: LaunchSpec, worker_env: WorkerEnv) -> int:
+    """Runs this host's workers under torch.distributed.elastic; returns the exit code."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _export(worker_env)
+    config, entrypoint, args = elastic_config(spec)
+    address = _store_address(spec)
+    watch = (
+        JobWatch(
+            *address,
+            run_id=spec.rdzv_id,
+            node_rank=spec.node_rank,
+            nnodes=spec.max_nodes,
+            connect_timeout=float(config.rdzv_configs.get("timeout", 900)),
+        )
+        if address and spec.min_nodes == spec.max_nodes
+        else None
+    )
+    # Elastic installs its own handlers when workers start; until then, stop the same way.
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        signal.signal(getattr(signal, name), _raise_signal_exception)
+    if watch is not None:
+        watch.start()
+    try:
+        elastic_launch(config, entrypoint)(*args)
+        return 0
+    except ChildFailedError as err:
+        summary = _failure_summary(spec, err)
+        # Name the user's program in torchrun's table, not the worker entry that ran it.
+        table = ChildFailedError(name=spec.entry.target, failures=err.failures).format_msg()
+        sys.stderr.write(table + "\n")
+        sys.stderr.write(f"tpu-launch: worker failed: {summary}\n")
+        sys.stderr.flush()
+        if watch is not None:
+            watch.report_failure(summary)
+        return 1
+    except SignalException as err:
+        if watch is not None and watch.remote_failure is not None:
+            sys.stderr.write(
+                f"tpu-launch: stopped node {spec.node_rank}'s workers because another host "
+                f"failed: {watch.remote_failure}\n"
+            )
+            return 1
+        name = signal.Signals(err.sigval).name
+        sys.stderr.write(f"tpu-launch: got {name}; stopped node {spec.node_rank}'s workers\n")
+        if watch is not None:
+            watch.report_failure(f"node {spec.node_rank}: its launcher got {name}")
+        return 128 + int(err.sigval)
+    except Exception as err:  # rendezvous errors and the like: say what, exit non-zero
+        from torch.distributed.elastic.rendezvous import RendezvousError
+
+        if not isinstance(err, RendezvousError):
+            traceback.print_exc()
+        sys.stderr.write(f"tpu-launch: {type(err).__name__}: {err}\n")
+        if watch is not None:
+            watch.report_failure(f"node {spec.node_rank}: {type(err).__name__}: {err}")
+        return 1
+    finally:
+        if watch is not None:
+            watch.stop()

@@ -1,0 +1,157 @@
+"""Worker entry: sets this worker's own TPU variables, then runs the user's program.
+
+torch.distributed.elastic starts every local worker with the same command and the same
+environment except for the variables it sets itself (``RANK``, ``LOCAL_RANK``, ...). The
+variables that differ per chip (``TPU_VISIBLE_CHIPS``, ``TPU_PROCESS_PORT``,
+``CLOUD_TPU_TASK_ID``) are therefore applied here, in the worker, from a table the launcher
+passes in ``TPU_DIST_LAUNCH_WORKER_ENV`` (a JSON list indexed by ``LOCAL_RANK``; removed from the
+environment before the user's code runs).
+
+The launcher runs this file by path (``python -u .../_worker.py MODE TARGET ARGS...``), so that
+it imports only the standard library: the user's program pays no extra import. Modes:
+
+* ``python TARGET``: runs the script in this interpreter as ``python -u TARGET`` would
+  (``__name__ == "__main__"``, ``sys.argv``, ``sys.path[0]`` = the script's folder).
+* ``module TARGET``: as ``python -u -m TARGET``.
+* ``exec TARGET``: replaces this process with ``TARGET`` (``--no-python``).
+
+In the first two modes ``faulthandler`` is on (a native crash prints every thread's stack) and
+an uncaught exception is printed as Python prints it and also written to
+``TORCHELASTIC_ERROR_FILE`` in torch.distributed.elastic's format, so the launcher reports the
+failing rank's traceback without the script having to use ``@record``.
+
+Every mode first asks the kernel to kill this worker if the launcher dies (Linux
+``PR_SET_PDEATHSIG``), so a launcher killed with SIGKILL leaves no orphaned workers behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from types import TracebackType
+
+WORKER_ENV_VAR = "TPU_DIST_LAUNCH_WORKER_ENV"
+LAUNCHER_PID_VAR = "TPU_DIST_LAUNCH_PID"
+
+
+def apply_worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Sets this worker's row of the launcher's table; returns what was set."""
+    env = os.environ if environ is None else environ
+    table = env.pop(WORKER_ENV_VAR, None)
+    if not table:
+        return {}
+    rows = json.loads(table)
+    local_rank = int(env.get("LOCAL_RANK", "0"))
+    if not 0 <= local_rank < len(rows):
+        raise RuntimeError(
+            f"LOCAL_RANK={local_rank} but tpu-launch computed variables for {len(rows)} workers"
+        )
+    row = {str(k): str(v) for k, v in rows[local_rank].items()}
+    env.update(row)
+    return row
+
+
+def _die_with_launcher() -> None:
+    """PR_SET_PDEATHSIG(SIGKILL): the kernel kills us when the launcher exits. Linux only."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    if launcher and launcher.isdigit() and os.getppid() != int(launcher):
+        # The launcher died before prctl took effect: nobody is left to manage this worker.
+        sys.exit(f"tpu-launch worker: the launcher (pid {launcher}) is gone; exiting")
+
+
+def _user_frames(tb: TracebackType | None) -> TracebackType | None:
+    """Skips the frames of this file and runpy, as ``python script.py`` would show none."""
+    import runpy
+
+    skip = {os.path.abspath(__file__), os.path.abspath(runpy.__file__), "<frozen runpy>"}
+
+    def ours(filename: str) -> bool:
+        return filename in skip or os.path.abspath(filename) in skip
+
+    while tb is not None and ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def _record_and_exit(exc: BaseException) -> None:
+    exc.__traceback__ = _user_frames(exc.__traceback__)
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    sys.stderr.write(text)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and not os.path.exists(error_file):  # the script's own @record came first
+        data = {
+            "message": {
+                "message": f"{type(exc).__name__}: {exc}",
+                "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
+            }
+        }
+        try:
+            with open(error_file, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+    sys.stderr.flush()
+    sys.exit(1)
+
+
+def _run(mode: str, target: str, args: list[str]) -> None:
+    import runpy
+
+    sys.argv = [target, *args]
+    try:
+        if mode == "module":
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path[0] = os.path.dirname(os.path.abspath(target))
+            runpy.run_path(target, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        raise
+    except BaseException as exc:  # reported, then the worker exits 1
+        _record_and_exit(exc)
+
+
+def run_script_path(script: str, *args: str) -> None:
+    """``--run-path`` entry: runs in the worker process elastic spawned (a picklable function)."""
+    apply_worker_env()
+    sys.argv = [script, *args]
+    import runpy
+
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str]) -> None:
+    """``python -u _worker.py MODE TARGET [ARGS...]``."""
+    if len(argv) < 2 or argv[0] not in ("python", "module", "exec"):
+        sys.exit("usage: _worker.py {python|module|exec} TARGET [ARGS...]")
+    _die_with_launcher()
+    apply_worker_env()
+    mode, target, args = argv[0], argv[1], argv[2:]
+    if mode != "exec":
+        import faulthandler
+
+        faulthandler.enable(all_threads=True)  # a crash in native code still shows a stack
+    if mode == "exec":
+        try:
+            os.execvp(target, [target, *args])
+        except OSError as err:
+            sys.exit(f"tpu-launch worker: cannot execute {target!r}: {err}")
+    _run(mode, target, args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
