@@ -1,60 +1,73 @@
-"""Fixtures shared by the test suite.
+"""Fixtures shared by the test suite: module-scoped worlds of worker processes.
 
-``world`` is a module-scoped :class:`tests.harness.World`: started on first use in a module,
-shared by the module's tests that use the same parameter, and closed when the module is done
-(or when pytest moves on to the next parameter). Parametrise it indirectly::
+``worlds`` returns a World for the given arguments, starting it on first use and sharing it
+with every later request of the module's tests for the same arguments; all of them are closed
+when the module is done::
 
-    @pytest.mark.parametrize("world", [2, 3], indirect=True)  # 2 ranks, then 3 ranks of gloo
-    def test_x(world: World) -> None:
-        results = world.run(_body, 1.0)
+    @pytest.mark.parametrize("n", [2, 3])
+    def test_x(worlds: Callable[..., World], n: int) -> None:
+        results = worlds(n).run(_body, 1.0)             # 2, then 3 ranks of gloo
 
-    TPU4 = pytest.param({"world_size": 4, "backend": "tpu", "env": {"X": "1"}}, id="tpu4")
+    def test_y(worlds: Callable[..., World]) -> None:
+        world = worlds(4, backend="tpu", env={"TPU_DIST_PLATFORM": "cpu"})
 
-    @pytest.mark.parametrize("world", [TPU4], indirect=True)
-    def test_y(world: World) -> None: ...
+``world`` is the same thing as a fixture: 2 ranks of gloo, or what an indirect parameter says
+(an ``int`` world size, or a ``dict`` of ``World`` arguments)::
 
-An ``int`` parameter is the world size (gloo); a ``dict`` parameter holds ``World``'s arguments.
-Without parametrisation ``world`` is 2 ranks of gloo. For a world per class, or several worlds
-in one test, write a fixture of the scope you need around ``with World(...) as world``.
+    @pytest.mark.parametrize("world", [2, {"world_size": 4, "backend": "tpu"}], indirect=True)
+    def test_z(world: World) -> None: ...
+
+Because both go through the module's cache, tests of one module may ask for their worlds in
+any order: a world is never restarted just because pytest moved between parameters. Several
+worlds of a module may be running at once; for a world per class, or one you want to close
+early, use ``with World(...) as world`` in a fixture of your own.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from tests.harness import World, close_all_worlds
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Let every world of the session share compiled XLA programs (JAX's persistent cache).
+@pytest.fixture(scope="module")
+def worlds() -> Iterator[Callable[..., World]]:
+    """``worlds(world_size, backend="gloo", **kwargs)``: this module's World for those arguments.
 
-    Each new world would otherwise compile the same collective programs again, which is most
-    of the suite's time on a small machine. Workers inherit these variables; a value the user
-    set wins.
+    The arguments are :class:`tests.harness.World`'s. Worlds are started on first request and
+    closed at the end of the module.
     """
-    cache = os.path.join(tempfile.gettempdir(), "tpu_dist_test_jax_cache")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    cache: dict[str, World] = {}
+
+    def get(world_size: int, backend: str = "gloo", **kwargs: Any) -> World:
+        key = repr((world_size, backend, sorted(kwargs.items())))
+        if key not in cache:
+            world = World(world_size, backend, **kwargs)
+            world.start()
+            cache[key] = world
+        return cache[key]
+
+    try:
+        yield get
+    finally:
+        for world in cache.values():
+            world.close()
 
 
 @pytest.fixture(scope="module")
-def world(request: pytest.FixtureRequest) -> Iterator[World]:
-    """A World shared by a module's tests; see the module docstring for its parameters."""
+def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World:
+    """A World of this module: 2 ranks of gloo, or as the indirect parameter says."""
     param = getattr(request, "param", 2)
     if isinstance(param, int):
-        kwargs = {"world_size": param}
-    elif isinstance(param, dict):
-        kwargs = dict(param)
-    else:
-        raise TypeError(
-            f"the world fixture takes a world size (int) or World arguments (dict), got {param!r}"
-        )
-    with World(**kwargs) as started:
-        yield started
+        return worlds(param)
+    if isinstance(param, dict):
+        return worlds(**param)
+    raise TypeError(
+        f"the world fixture takes a world size (int) or World arguments (dict), got {param!r}"
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

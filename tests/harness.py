@@ -23,7 +23,7 @@ Usage, from a test module::
 
     @pytest.fixture(scope="module")
     def world2():
-        with World(2, backend="gloo") as world:  # or "tpu": ``import tpu_dist`` first
+        with World(2, backend="gloo") as world:  # "tpu": the workers import tpu_dist
             yield world
 
 
@@ -31,10 +31,12 @@ Usage, from a test module::
         results = world2.run(_all_reduce_sum, 3)  # one result per rank, indexed by rank
         assert results == [[1.0, 1.0, 1.0]] * 2
 
-``tests/conftest.py`` also has a ``world`` fixture that is parametrised indirectly::
+``tests/conftest.py`` has fixtures that share worlds across a module's tests: ``worlds`` (a
+cache: ``worlds(3, backend="tpu")``) and ``world`` (2 ranks of gloo, or an indirect parameter)::
 
-    @pytest.mark.parametrize("world", [2, 3], indirect=True)
-    def test_x(world: World) -> None: ...
+    @pytest.mark.parametrize("n", [2, 3])
+    def test_x(worlds: Callable[..., World], n: int) -> None:
+        assert worlds(n).run(_all_reduce_sum, 1) == [[n * (n - 1) / 2]] * n
 
 What each worker process does (started with the ``spawn`` method; fork after JAX has started its
 threads deadlocks):

@@ -1,8 +1,8 @@
 """Tests of the multi-process test harness (``tests/harness.py``) on the gloo backend.
 
 Worlds: 2 ranks of gloo, and 3 ranks of gloo with extra env and init kwargs, each shared by the
-module (the ``world`` fixture of ``tests/conftest.py``); the failure tests break them on purpose
-and check that the next run restarts them.
+module (the ``worlds`` fixture of ``tests/conftest.py``); the failure tests break them on purpose
+and check that the next run restarts them. A few tests start short-lived worlds of their own.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,16 +19,15 @@ import torch.distributed as dist
 
 from tests.harness import World, WorldError
 
-WORLD2 = pytest.param(2, id="2ranks")
-WORLD3 = pytest.param(
-    {
-        "world_size": 3,
+# World arguments by world size: 3 ranks also try extra env vars and init kwargs.
+SPECS: dict[int, dict[str, Any]] = {
+    2: {},
+    3: {
         "env": {"HARNESS_TEST_VAR": "hello", "OMP_NUM_THREADS": "2"},
         "init_kwargs": {"timeout": datetime.timedelta(seconds=45)},
     },
-    id="3ranks",
-)
-BOTH = pytest.mark.parametrize("world", [WORLD2, WORLD3], indirect=True)
+}
+BOTH = pytest.mark.parametrize("n", [2, 3], ids=["2ranks", "3ranks"])
 
 _ENV_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -111,7 +111,8 @@ def _init_by_env(rank: int, world_size: int) -> list[Any]:
 
 
 @BOTH
-def test_results_come_back_per_rank(world: World) -> None:
+def test_results_come_back_per_rank(worlds: Callable[..., World], n: int) -> None:
+    world = worlds(n, **SPECS[n])
     results = world.run(_whoami, 1, "two", three=3.0)
     n = world.world_size
     assert [r["rank"] for r in results] == list(range(n))
@@ -133,7 +134,8 @@ def test_results_come_back_per_rank(world: World) -> None:
 
 
 @BOTH
-def test_all_reduce_sums_over_ranks(world: World) -> None:
+def test_all_reduce_sums_over_ranks(worlds: Callable[..., World], n: int) -> None:
+    world = worlds(n, **SPECS[n])
     n = world.world_size
     results = world.run(_all_reduce_sum, 4)
     assert len(results) == n
@@ -142,7 +144,8 @@ def test_all_reduce_sums_over_ranks(world: World) -> None:
 
 
 @BOTH
-def test_exception_names_the_rank_and_its_traceback(world: World) -> None:
+def test_exception_names_the_rank_and_its_traceback(worlds: Callable[..., World], n: int) -> None:
+    world = worlds(n, **SPECS[n])
     pids = world.pids
     last = world.world_size - 1
     with pytest.raises(WorldError) as info:
@@ -160,15 +163,16 @@ def test_exception_names_the_rank_and_its_traceback(world: World) -> None:
 
 
 @BOTH
-def test_failing_assert_in_body_shows_values(world: World) -> None:
+def test_failing_assert_in_body_shows_values(worlds: Callable[..., World], n: int) -> None:
+    world = worlds(n, **SPECS[n])
     with pytest.raises(WorldError) as info:
         world.run(_failing_assert)
     assert sorted(info.value.errors) == list(range(world.world_size))
     assert "assert [0, " in info.value.errors[0]  # pytest's rewritten assert message
 
 
-@pytest.mark.parametrize("world", [WORLD2], indirect=True)
-def test_unpicklable_result_is_a_clean_error(world: World) -> None:
+def test_unpicklable_result_is_a_clean_error(world: World, worlds: Callable[..., World]) -> None:
+    assert world is worlds(2)  # The default world fixture is the module's 2-rank world.
     pids = world.pids
     with pytest.raises(WorldError, match="could not be pickled") as info:
         world.run(_unpicklable_result)
@@ -176,7 +180,10 @@ def test_unpicklable_result_is_a_clean_error(world: World) -> None:
     assert world.pids == pids
 
 
-@pytest.mark.parametrize("world", [WORLD2], indirect=True)
+# The indirect parameters name the module's two worlds, so no new world starts.
+@pytest.mark.parametrize(
+    "world", [2, {"world_size": 3, **SPECS[3]}], ids=["2ranks", "3ranks"], indirect=True
+)
 def test_output_is_forwarded_with_rank_prefix(
     world: World, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -185,8 +192,8 @@ def test_output_is_forwarded_with_rank_prefix(
     assert all(f"[rank {r}] rank {r} says hi" in err for r in range(world.world_size))
 
 
-@pytest.mark.parametrize("world", [WORLD3], indirect=True)
-def test_hang_dumps_every_rank_and_next_run_restarts(world: World) -> None:
+def test_hang_dumps_every_rank_and_next_run_restarts(worlds: Callable[..., World]) -> None:
+    world = worlds(3, **SPECS[3])
     old_pids = world.pids
     start = time.monotonic()
     with pytest.raises(WorldError) as info:
@@ -208,8 +215,8 @@ def test_hang_dumps_every_rank_and_next_run_restarts(world: World) -> None:
     assert set(world.pids).isdisjoint(old_pids)
 
 
-@pytest.mark.parametrize("world", [WORLD2], indirect=True)
-def test_dead_rank_is_reported_quickly_with_exit_code(world: World) -> None:
+def test_dead_rank_is_reported_quickly_with_exit_code(worlds: Callable[..., World]) -> None:
+    world = worlds(2)
     old_pids = world.pids
     start = time.monotonic()
     with pytest.raises(WorldError) as info:
@@ -232,9 +239,9 @@ def test_body_must_be_importable_by_reference() -> None:
 
 
 def test_without_init_bodies_init_by_env_and_close_leaves_nothing() -> None:
-    with World(2, init=False, env={"HARNESS_TEST_VAR": "x"}) as world:
+    with World(1, init=False, env={"HARNESS_TEST_VAR": "x"}) as world:
         pids = world.pids
-        assert world.run(_init_by_env) == [["x", [2.0, 2.0]]] * 2
+        assert world.run(_init_by_env) == [["x", [1.0, 1.0]]]
     assert world.pids == [] and _all_gone(pids)
 
 
