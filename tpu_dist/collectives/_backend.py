@@ -21,16 +21,17 @@ the peer at the same point of its sequence, like NCCL.
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import jax
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _checks, _lowering, _runtime
+from tpu_dist.collectives import _checks, _lowering, _runtime, _watchdog, flight_recorder
 from tpu_dist.collectives._lowering import ProgramKey
 from tpu_dist.collectives._work import TPUWork
 
@@ -121,6 +122,62 @@ class _P2PQueue:
 
 
 _p2p_queue = _P2PQueue()
+_p2p_seq: dict[str, int] = {}
+_CALL_BYTES = 256
+
+
+_dispatcher: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _dispatch_interruptibly(work: TPUWork, key: ProgramKey, devices, arrays) -> list:
+    """Dispatch on a helper thread so the watchdog can fail a call stuck inside XLA.
+
+    XLA runs small CPU programs inline, inside dispatch, and the first call of a
+    program sets up communicators there: either can block until every peer
+    arrives. With TPU_DIST_TIMEOUT_POLICY=raise the caller waits here instead,
+    where the watchdog's error reaches it.
+    """
+    global _dispatcher
+    if _dispatcher is None:
+        _dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpu_dist-dispatch")
+    future = _dispatcher.submit(_lowering.run, key, devices, arrays)
+    delay = 5e-5
+    while True:
+        try:
+            return future.result(timeout=delay)
+        except concurrent.futures.TimeoutError:
+            if work._failed_from_outside is not None:
+                raise work._failed_from_outside from None
+            delay = min(delay * 2, 2e-3)
+
+
+def _track(
+    work: TPUWork,
+    group: str,
+    group_ranks: Sequence[int],
+    seq: int,
+    op: str,
+    meta: tuple,
+    params: tuple,
+    timeout: timedelta,
+) -> None:
+    """Record ``work`` in the flight recorder and put it under the watchdog."""
+    entry = flight_recorder.recorder().record(group, group_ranks, seq, op, meta, params)
+    watchdog = _watchdog.get()
+    if watchdog is not None:
+        watchdog.issued(group, seq)
+        watchdog.watch(_watchdog.InFlight(
+            work, group, list(group_ranks), seq, op, time.monotonic(), timeout.total_seconds()
+        ))
+
+    def on_done(error: BaseException | None) -> None:
+        flight_recorder.FlightRecorder.finish(entry, error)
+        if watchdog is not None:
+            watchdog.done(work)
+
+    work._on_done = on_done
+    if work._done:
+        on_done(work._error)
 
 
 class ProcessGroupTPU(dist.ProcessGroup):
@@ -146,6 +203,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._timeout = timeout
         self._group_name = ""
         self._group_desc = ""
+        self._seq = 0
+        self._check_calls = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        self._poll = _watchdog.policy_from_env() == "raise"
 
     # -- identity (funcol, DTensor, FSDP2 and TP need names) -----------------
 
@@ -181,28 +241,79 @@ class ProcessGroupTPU(dist.ProcessGroup):
         params: tuple,
         blocks: Sequence[torch.Tensor],
         finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-        devices: Sequence[jax.Device] | None = None,
     ) -> TPUWork:
         """Dispatch ``kind``'s program on flat ``blocks``; ``finish`` gets the results."""
         _p2p_queue.flush()
-        devices = self._devices if devices is None else devices
         if all(b.numel() == 0 for b in blocks):
             # Nothing to move; every rank of the group sees the same empty shapes.
             empty = [b.new_empty(0) for b in blocks]
             return TPUWork.completed(description, finish(empty))
         arrays = [_runtime.to_jax(b) for b in blocks]
-        key = ProgramKey(
-            kind,
-            tuple(d.id for d in devices),
-            tuple((a.shape[0], a.dtype.name) for a in arrays),
-            params,
-        )
-        outs = _lowering.run(key, devices, arrays)
+        meta = tuple((a.shape[0], a.dtype.name) for a in arrays)
+        if self._check_calls:
+            self._check_same_call(description, params, meta)
+        self._seq += 1
+        seq = self._seq
+        key = ProgramKey(kind, self._device_ids, meta, params)
+
+        def explain(err: BaseException) -> dist.DistBackendError:
+            return _watchdog.explain_failure(
+                err, description, self._group_name, seq, self._global_ranks, _runtime.info().rank
+            )
+
+        work = TPUWork(description, poll=self._poll, explain=explain)
+        # Watched from before dispatch: the first call of a program sets up XLA's
+        # communicators inside dispatch and blocks there until every peer arrives.
+        _track(work, self._group_name, self._global_ranks, seq, description, meta, params,
+               self._timeout)
+        try:
+            if self._poll:
+                outs = _dispatch_interruptibly(work, key, self._devices, arrays)
+            else:
+                outs = _lowering.run(key, self._devices, arrays)
+        except dist.DistBackendError as err:
+            work._attach((), None)
+            work._on_done(err)
+            raise
+        except Exception as err:
+            error = explain(err)
+            work._attach((), None)
+            work._on_done(error)
+            raise error from err
 
         def complete() -> list[torch.Tensor]:
             return finish([_runtime.to_torch(o) for o in outs])
 
-        return TPUWork(description, outs, complete)
+        work._attach(outs, complete)
+        return work
+
+    def _check_same_call(self, description: str, params: tuple, meta: tuple) -> None:
+        """TORCH_DISTRIBUTED_DEBUG=DETAIL: all ranks must call the same collective.
+
+        Every rank all-gathers a fixed-size description of its call (one small
+        program that cannot mismatch), so a mismatch raises on every rank instead
+        of hanging, naming each rank's call.
+        """
+        call = f"{description} {' '.join(map(str, params))} ".strip() + " (" + ", ".join(
+            f"{dtype}[{n}]" for n, dtype in meta
+        ) + ")"
+        raw = call.encode()[: _CALL_BYTES]
+        mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        key = ProgramKey("allgather", self._device_ids, ((_CALL_BYTES, "uint8"),), ())
+        (gathered,) = _lowering.run(key, self._devices, [_runtime.to_jax(mine)])
+        rows = _runtime.to_torch(gathered).view(self.size(), _CALL_BYTES)
+        calls = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
+        if len(set(calls)) > 1:
+            detail = "; ".join(
+                f"rank {self._global_ranks[i]}: {c}" for i, c in enumerate(calls)
+            )
+            raise RuntimeError(
+                f"tpu_dist: detected mismatch between collectives on ranks of group "
+                f"{self._group_name!r} (collective #{self._seq + 1}): {detail}. Every rank of a "
+                "group must call the same collectives in the same order with the same sizes, "
+                "dtypes and reduce ops (checked because TORCH_DISTRIBUTED_DEBUG=DETAIL)."
+            )
 
     # -- all-reduce -------------------------------------------------------------
 
@@ -643,7 +754,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(tensor, _runtime.to_torch(outs[0]))
             return [tensor]
 
+        pair = f"p2p:{low}-{high}"
+        seq = _p2p_seq[pair] = _p2p_seq.get(pair, 0) + 1
         op.work._attach(outs, complete)
+        _track(op.work, pair, [low, high], seq, "send" if op.is_send else "recv",
+               ((array.shape[0], array.dtype.name),), (f"tag={op.tag}",), self._timeout)
 
     # -- barrier ---------------------------------------------------------------------------
 

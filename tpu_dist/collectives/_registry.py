@@ -8,7 +8,7 @@ import warnings
 
 import torch.distributed as dist
 
-from tpu_dist.collectives import _runtime
+from tpu_dist.collectives import _runtime, _watchdog, flight_recorder
 from tpu_dist.collectives._backend import ProcessGroupTPU
 
 logger = logging.getLogger(__name__)
@@ -29,6 +29,8 @@ def _create_process_group(
         # The default group (torch passes no ranks for it): start JAX, or check
         # that the running JAX runtime has this world.
         _runtime.start(dist_opts.store, rank, size, dist_opts.timeout)
+        _watchdog.start(dist_opts.store, rank, size)
+        flight_recorder.install_signal_handler(rank)
         global_ranks = list(range(size))
     elif _runtime.info() is None:
         raise RuntimeError(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 from dataclasses import dataclass
@@ -146,6 +147,7 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> 
             jax.config.update("jax_platforms", "cuda")
         address = _exchange_coordinator_address(store, rank, timeout)
         init_timeout = max(int(timeout.total_seconds()), 10)
+        sigterm = signal.getsignal(signal.SIGTERM)
         try:
             jax.distributed.initialize(
                 coordinator_address=address,
@@ -163,6 +165,10 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> 
                     "computation or jax.devices() call."
                 ) from err
             raise
+        if sigterm is not None and threading.current_thread() is threading.main_thread():
+            # JAX's preemption notifier catches SIGTERM and carries on; torch users (and
+            # tpu-launch, torchrun) expect SIGTERM to stop a worker. Put back what was there.
+            signal.signal(signal.SIGTERM, sigterm)
         by_process: dict[int, jax.Device] = {}
         for device in sorted(jax.devices(), key=lambda d: d.id):
             by_process.setdefault(device.process_index, device)

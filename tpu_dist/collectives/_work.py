@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -38,12 +39,19 @@ class TPUWork(dist._Work):
         pending: Sequence[jax.Array] = (),
         finish: Callable[[], list[torch.Tensor]] | None = None,
         before_wait: Callable[[], None] | None = None,
+        on_done: Callable[[BaseException | None], None] | None = None,
+        poll: bool = False,
+        explain: Callable[[BaseException], dist.DistBackendError] | None = None,
     ) -> None:
         super().__init__()
         self._description = description
         self._pending = list(pending)
         self._finish = finish
         self._before_wait = before_wait
+        self._on_done = on_done
+        self._poll = poll
+        self._explain = explain
+        self._failed_from_outside: BaseException | None = None
         self._lock = threading.Lock()
         self._done = False
         self._error: BaseException | None = None
@@ -62,6 +70,25 @@ class TPUWork(dist._Work):
         self._pending = list(pending)
         self._finish = finish
 
+    def _fail(self, error: BaseException) -> None:
+        """Fail a work whose program will never finish (the watchdog's ``raise`` policy)."""
+        self._failed_from_outside = error
+
+    def _await_arrays(self) -> None:
+        if not self._poll:
+            for array in self._pending:
+                array.block_until_ready()
+            return
+        # Poll, so that the watchdog can fail a program that will never finish.
+        delay = 5e-5
+        while not all(a.is_ready() for a in self._pending):
+            if self._failed_from_outside is not None:
+                raise self._failed_from_outside
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
+        for array in self._pending:
+            array.block_until_ready()  # raises the program's own error, if any
+
     def _complete(self) -> None:
         if self._before_wait is not None:
             self._before_wait()
@@ -70,18 +97,24 @@ class TPUWork(dist._Work):
                 return
             try:
                 with torch.no_grad(), _runtime.x64_scope():
-                    for array in self._pending:
-                        array.block_until_ready()
+                    self._await_arrays()
                     self._result = self._finish()
+            except dist.DistBackendError as err:
+                self._error = err
             except Exception as err:  # kept and raised on every wait()
-                self._error = dist.DistBackendError(
-                    f"tpu_dist: {self._description} failed: {err}"
-                )
+                if self._explain is not None:
+                    self._error = self._explain(err)
+                else:
+                    self._error = dist.DistBackendError(
+                        f"tpu_dist: {self._description} failed: {err}"
+                    )
                 self._error.__cause__ = err
             self._pending = []
             self._finish = None
             self._done = True
             future = self._future
+        if self._on_done is not None:
+            self._on_done(self._error)
         if future is not None:
             self._settle(future)
 

@@ -1,0 +1,179 @@
+"""No silent hangs: timeouts, dead and stopped peers, mismatched calls, the flight recorder.
+
+Each scenario has a world of its own (a failed collective leaves its world
+unusable) with short timeouts, so every test ends in bounded time even when
+the code under test is broken: the harness kills a world whose ranks do not
+return, dumps their stacks and fails.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import World, WorldError
+
+FAST = {"TPU_DIST_HEARTBEAT_TIMEOUT": "4"}
+
+
+def _skip_one_collective(rank: int, world_size: int, late_rank: int) -> str:
+    """Every rank but ``late_rank`` all-reduces; ``late_rank`` stays away for a while.
+
+    A first all_reduce of the same shape runs on every rank, so the second finds its
+    program compiled and XLA's communicators set up (an async dispatch).
+    """
+    t = torch.arange(4.0) + rank
+    dist.all_reduce(t.clone())
+    if rank == late_rank:
+        time.sleep(12)
+        return "late rank slept"
+    before = t.clone()
+    try:
+        dist.all_reduce(t)
+    except dist.DistBackendError as err:
+        assert torch.equal(t, before), "a failed collective modified its input"
+        return str(err)
+    return "no error"
+
+
+def test_timeout_raises_naming_the_missing_rank(tmp_path) -> None:
+    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    with World(3, backend="tpu", env=env, timeout=90,
+               init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
+        start = time.monotonic()
+        results = world.run(_skip_one_collective, 1)
+    for rank in (0, 2):
+        message = results[rank]
+        assert "timed out after 5 s" in message, message
+        assert "all_reduce" in message and "collective #2" in message
+        assert "did not arrive: [1]" in message
+    assert time.monotonic() - start < 60
+    # The watchdog dumped the flight records; the analyzer says who is behind.
+    out = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.collectives.flight_recorder", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert "never completed on ranks [0, 2]" in out.stdout or "behind" in out.stdout, out.stdout
+
+
+def test_timeout_aborts_by_default_with_a_message(tmp_path) -> None:
+    env = {**FAST, "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    with World(2, backend="tpu", env=env, timeout=60, failure_grace=30,
+               init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
+        with pytest.raises(WorldError) as caught:
+            world.run(_skip_one_collective, 1)
+    err = caught.value
+    assert err.exitcodes.get(0) == 1, err
+    assert "timed out after 5 s" in str(err) and "did not arrive: [1]" in str(err)
+    assert "TPU_DIST_TIMEOUT_POLICY=abort" in str(err)
+    assert (tmp_path / "tpu_dist_fr_rank0.json").exists()
+
+
+def _die_mid_collective(rank: int, world_size: int) -> None:
+    t = torch.ones(8)
+    dist.all_reduce(t)  # everyone is up
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    before = t.clone()
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except dist.DistBackendError:
+        assert torch.equal(t, before), "a failed collective modified its input"
+        assert time.monotonic() - start < 20, "the failure took too long to surface"
+        raise
+
+
+def test_dead_peer_fails_survivors_naming_it() -> None:
+    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=20) as world:
+        with pytest.raises(WorldError) as caught:
+            world.run(_die_mid_collective)
+    err = caught.value
+    assert err.exitcodes.get(2) == -signal.SIGKILL, err
+    for rank in (0, 1):
+        assert "rank(s) [2] did not report the failure" in err.errors.get(rank, ""), err
+
+
+def _stop_mid_collective(rank: int, world_size: int) -> None:
+    t = torch.ones(8)
+    dist.all_reduce(t)
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    dist.all_reduce(t)
+
+
+def test_stopped_peer_is_detected_by_heartbeat() -> None:
+    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=30) as world:
+        with pytest.raises(WorldError) as caught:
+            world.run(_stop_mid_collective)
+    err = caught.value
+    # Ranks 0 and 2 end themselves (abort policy) naming rank 1, whose heartbeat stopped.
+    # Once rank 0 has gone, JAX's coordination service (which rank 0 hosts) aborts rank 2
+    # (SIGABRT) if its own watchdog has not ended it first.
+    survivors = {err.exitcodes.get(0), err.exitcodes.get(2)}
+    assert 1 in survivors and survivors <= {1, -signal.SIGABRT}, err
+    assert "rank(s) [1] stopped responding" in str(err), err
+
+
+def _mismatched(rank: int, world_size: int) -> list[str]:
+    messages = []
+    cases = [
+        lambda: dist.all_reduce(torch.ones(4 + rank)),                      # shapes differ
+        lambda: dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.float64)),
+        lambda: dist.all_reduce(torch.ones(4), op=dist.ReduceOp.SUM if rank == 0 else dist.ReduceOp.MAX),
+        lambda: (dist.all_reduce(torch.ones(4)) if rank == 0
+                 else dist.broadcast(torch.ones(4), src=0)),                 # ops differ
+    ]
+    for case in cases:
+        try:
+            case()
+            messages.append("no error")
+        except RuntimeError as err:
+            messages.append(str(err))
+    ok = torch.ones(3)
+    dist.all_reduce(ok)  # the group still works
+    messages.append(str(ok.tolist()))
+    return messages
+
+
+def test_mismatched_collectives_raise_on_every_rank_under_detail() -> None:
+    with World(2, backend="tpu", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120) as world:
+        results = world.run(_mismatched)
+    for messages in results:
+        *errors, after = messages
+        assert after == "[2.0, 2.0, 2.0]"
+        for message in errors:
+            assert "mismatch between collectives" in message, message
+        assert "rank 0: all_reduce SUM (float32[4])" in errors[0]
+        assert "rank 1: all_reduce SUM (float32[5])" in errors[0]
+        assert "float64" in errors[1] and "MAX" in errors[2] and "broadcast" in errors[3]
+
+
+def _record_and_dump(rank: int, world_size: int, directory: str) -> str:
+    from tpu_dist.collectives import flight_recorder
+
+    for n in range(3):
+        dist.all_reduce(torch.ones(n + 1))
+    group = dist.new_group([0, 1])
+    dist.all_gather_into_tensor(torch.empty(2), torch.ones(1), group=group)
+    return flight_recorder.dump(directory)
+
+
+def test_flight_recorder_dump_and_analyzer(tmp_path) -> None:
+    with World(2, backend="tpu", timeout=120) as world:
+        paths = world.run(_record_and_dump, str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == ["tpu_dist_fr_rank0.json", "tpu_dist_fr_rank1.json"]
+    out = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.collectives.flight_recorder", str(tmp_path)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every rank called the same collectives" in out.stdout
