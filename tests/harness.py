@@ -38,15 +38,18 @@ cache: ``worlds(3, backend="tpu")``) and ``world`` (2 ranks of gloo, or an indir
     def test_x(worlds: Callable[..., World], n: int) -> None:
         assert worlds(n).run(_all_reduce_sum, 1) == [[n * (n - 1) / 2]] * n
 
-What each worker process does (started with the ``spawn`` method; fork after JAX has started its
-threads deadlocks):
+What each worker process does (forked from a ``forkserver`` that has imported torch and JAX
+once, so a worker starts in well under a second instead of paying 2-3 s of imports; the server
+never starts JAX's runtime, whose threads would make a fork deadlock):
 
 1. Moves itself into its own process group (so that killing the world also kills anything the
-   worker started), asks the kernel to SIGKILL it if the test process dies, and sends its stdout
+   worker started), asks the kernel to SIGKILL it if its parent (the forkserver, which ends with
+   the test process) dies, and sends its stdout
    and stderr to a log file of its own.
 2. Sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
    ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS=1`` (unless set already, as ``torchrun`` does) and the
-   world's extra ``env``; then imports the backend's module (``tpu_dist`` for ``"tpu"``).
+   world's extra ``env`` (torch and JAX are imported already: variables they read only at
+   import time, such as ``XLA_FLAGS``, do not take effect); then imports the backend's module (``tpu_dist`` for ``"tpu"``).
 3. Calls ``dist.init_process_group(backend, rank=..., world_size=..., **init_kwargs)`` once.
    Rank 0 hosts the ``TCPStore`` on a port the kernel picks (port 0), so concurrent worlds, such
    as those of ``pytest -n 2``, never collide; the store is wrapped as ``env://`` would wrap it.
@@ -180,7 +183,7 @@ class World:
         backend: The ``torch.distributed`` backend name passed to ``init_process_group``.
         backend_module: Module each worker imports before ``init_process_group`` (it registers
             the backend). Default: ``"tpu_dist"`` for ``"tpu"``, none otherwise.
-        env: Extra environment variables for the workers, set before torch is imported (for
+        env: Extra environment variables for the workers, set when the worker starts (for
             example ``TPU_DIST_PLATFORM`` or ``TORCH_DISTRIBUTED_DEBUG``). A ``None`` value
             removes the variable.
         init_kwargs: Extra keyword arguments for ``init_process_group`` (for example
@@ -291,7 +294,7 @@ class World:
     def _spawn(self) -> None:
         """Start one worker process per rank."""
         assert self._log_dir is not None
-        ctx = multiprocessing.get_context("spawn")
+        ctx = _worker_context()
         master_port = None if self.init else _free_port()
         for rank in range(self.world_size):
             log_path = os.path.join(self._log_dir, f"gen{self._generation}_rank{rank}.log")
@@ -305,7 +308,7 @@ class World:
                 init_kwargs=self.init_kwargs,
                 master_port=master_port,
                 log_path=log_path,
-                parent_pid=os.getpid(),
+                parent_pid=_forkserver_pid(ctx),
             )
             parent_conn, child_conn = ctx.Pipe(duplex=True)
             proc = ctx.Process(
@@ -619,11 +622,12 @@ class World:
     def _signal_all(self, sig: signal.Signals) -> None:
         """Signal each worker's process group (the worker and anything it started).
 
-        Only workers not reaped yet are signalled: the pid of a reaped worker may belong to an
-        unrelated process by now.
+        Only workers whose exit has not been reported are signalled: the pid of a reaped worker
+        may belong to an unrelated process by now. (Workers are children of the forkserver,
+        which reaps them and reports their exit codes.)
         """
         for proc in self._procs:
-            if proc.pid is None or not _is_unreaped_child(proc.pid):
+            if proc.pid is None or proc.exitcode is not None:
                 continue
             for kill in (os.killpg, os.kill):
                 with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -709,15 +713,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _is_unreaped_child(pid: int) -> bool:
-    """Whether ``pid`` is a child of this process that has not been reaped (it may be a zombie)."""
-    try:
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    return True
-
-
 def _file_size(path: str) -> int:
     try:
         return os.path.getsize(path)
@@ -770,6 +765,29 @@ def _worker_main(
         _reply(conn, ("error", _format_exception(exc)))
         sys.exit(1)
     _serve(rank, config, conn)
+
+
+_PRELOAD = ["torch", "torch.distributed", "jax", "jax.numpy", "numpy"]
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    """Workers fork from a server that has imported torch and JAX once (JAX not started).
+
+    Importing torch and JAX costs a worker 2-3 s of CPU; the forkserver pays it once per test
+    process. Nothing in the server starts JAX's runtime threads (fork after that deadlocks):
+    each worker starts JAX itself, as a spawned process would.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _forkserver_pid(ctx: multiprocessing.context.BaseContext) -> int:
+    """The pid of the forkserver, the workers' parent (it exits when this process does)."""
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_pid
 
 
 def _set_parent_death_signal(parent_pid: int) -> None:

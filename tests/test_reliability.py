@@ -111,7 +111,7 @@ def _stop_mid_collective(rank: int, world_size: int) -> None:
 
 
 def test_stopped_peer_is_detected_by_heartbeat() -> None:
-    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=30) as world:
+    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=15) as world:
         with pytest.raises(WorldError) as caught:
             world.run(_stop_mid_collective)
     err = caught.value

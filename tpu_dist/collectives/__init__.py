@@ -16,10 +16,28 @@ Public names:
 
 from __future__ import annotations
 
-from tpu_dist.collectives._backend import ProcessGroupTPU
-from tpu_dist.collectives._lowering import compile_count
+import importlib
+from typing import TYPE_CHECKING
+
 from tpu_dist.collectives._registry import register_backend, registered_name
-from tpu_dist.collectives._runtime import global_devices
+
+if TYPE_CHECKING:
+    from tpu_dist.collectives._backend import ProcessGroupTPU
+    from tpu_dist.collectives._lowering import compile_count
+    from tpu_dist.collectives._runtime import global_devices
+
+# These pull in JAX, so they load on first use: ``import tpu_dist`` stays cheap.
+_LAZY = {
+    "ProcessGroupTPU": "tpu_dist.collectives._backend",
+    "compile_count": "tpu_dist.collectives._lowering",
+    "global_devices": "tpu_dist.collectives._runtime",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tpu_dist.collectives' has no attribute {name!r}")
 
 __all__ = [
     "ProcessGroupTPU",

@@ -22,6 +22,7 @@ the peer at the same point of its sequence, like NCCL.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -204,7 +205,12 @@ class ProcessGroupTPU(dist.ProcessGroup):
         self._group_name = ""
         self._group_desc = ""
         self._seq = 0
-        self._check_calls = dist.get_debug_level() == dist.DebugLevel.DETAIL
+        # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported; a
+        # value set later (before init_process_group) counts too.
+        self._check_calls = (
+            dist.get_debug_level() == dist.DebugLevel.DETAIL
+            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        )
         self._poll = _watchdog.policy_from_env() == "raise"
 
     # -- identity (funcol, DTensor, FSDP2 and TP need names) -----------------

@@ -8,8 +8,6 @@ import warnings
 
 import torch.distributed as dist
 
-from tpu_dist.collectives import _runtime, _watchdog, flight_recorder
-from tpu_dist.collectives._backend import ProcessGroupTPU
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +19,15 @@ _registered_name: str | None = None
 
 def _create_process_group(
     dist_opts: dist.distributed_c10d._DistributedBackendOptions, backend_opts: object
-) -> ProcessGroupTPU:
-    """The creator torch calls for every new "tpu" group (extended API)."""
+) -> dist.ProcessGroup:
+    """The creator torch calls for every new "tpu" group (extended API).
+
+    JAX is imported here, not when tpu_dist is imported, so that importing
+    tpu_dist (the launcher, tools) stays cheap.
+    """
+    from tpu_dist.collectives import _runtime, _watchdog, flight_recorder
+    from tpu_dist.collectives._backend import ProcessGroupTPU
+
     rank, size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group)
     if not global_ranks:
