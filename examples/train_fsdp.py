@@ -13,7 +13,10 @@ on torch's CPU backend. Run it on 4 CPU-emulated ranks::
     torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 20
     torchrun --nproc-per-node 4 examples/train_fsdp.py --steps 20 --backend gloo
 
-Checkpoint and resume (torch.distributed.checkpoint; the state is saved after the last step)::
+Checkpoint and resume (``torch.distributed.checkpoint``: every rank writes its own shards of
+the model and the optimizer to ``DIR/step-N``, after the last step and every ``--save-every``
+steps; ``--resume`` loads the newest ``DIR/step-N`` and continues from step N + 1, with exactly
+the numbers an uninterrupted run has)::
 
     tpu-launch --nproc-per-node 4 examples/train_fsdp.py --steps 10 --checkpoint-dir /tmp/ckpt
     tpu-launch --nproc-per-node 4 examples/train_fsdp.py --steps 20 --checkpoint-dir /tmp/ckpt --resume
@@ -30,6 +33,7 @@ import contextlib
 import dataclasses
 import io
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -225,8 +229,11 @@ def parse_args(
         "--mixed-precision", choices=("none", "bf16"), default="none",
         help="bf16: bf16 parameters and compute, fp32 gradient reduction (MixedPrecisionPolicy)",
     )
-    parser.add_argument("--checkpoint-dir", default=None, help="save the model and optimizer here after the last step")
-    parser.add_argument("--resume", action="store_true", help="load --checkpoint-dir first and continue from its step")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="save model and optimizer to DIR/step-N after the last step (DCP)")
+    parser.add_argument("--save-every", type=int, default=0, help="also save every N steps")
+    parser.add_argument("--resume", action="store_true",
+                        help="load the newest DIR/step-N first and continue from step N + 1")
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)
@@ -247,6 +254,14 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "step": torch.tensor(step)}, checkpoint_id=path)
+
+
+def latest_checkpoint(directory: str) -> str:
+    """The newest ``directory/step-N`` (highest N)."""
+    steps = [int(name[5:]) for name in os.listdir(directory) if name.startswith("step-") and name[5:].isdigit()]
+    if not steps:
+        raise FileNotFoundError(f"no step-N checkpoint in {directory!r} to resume from")
+    return os.path.join(directory, f"step-{max(steps)}")
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -289,9 +304,10 @@ def train(
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start = 0
     if args.resume:
-        start = load_checkpoint(args.checkpoint_dir, model, optimizer)
+        path = latest_checkpoint(args.checkpoint_dir)
+        start = load_checkpoint(path, model, optimizer)
         if rank == 0:
-            print(f"resumed from {args.checkpoint_dir} at step {start}", flush=True)
+            print(f"resumed from {path} at step {start}", flush=True)
     data = corpus()
     final = float("nan")
     for step in range(start + 1, args.steps + 1):
@@ -309,11 +325,12 @@ def train(
         elapsed = time.perf_counter() - began
         if rank == 0:
             tokens = args.batch_size * args.seq_len
-            print(f"step {step:4d} | loss {final:.4f} | {tokens / elapsed:8.0f} tokens/s", flush=True)
-    if args.checkpoint_dir:
-        save_checkpoint(args.checkpoint_dir, model, optimizer, args.steps)
-        if rank == 0:
-            print(f"saved step {args.steps} to {args.checkpoint_dir}", flush=True)
+            print(f"step {step:4d} | loss {final:.6f} | {tokens / elapsed:8.0f} tokens/s", flush=True)
+        if args.checkpoint_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            path = os.path.join(args.checkpoint_dir, f"step-{step}")
+            save_checkpoint(path, model, optimizer, step)
+            if rank == 0:
+                print(f"saved step {step} to {path}", flush=True)
     return final
 
 
@@ -340,7 +357,7 @@ def main(argv: list[str] | None = None) -> None:
               f"global batch {args.batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}", flush=True)
     final = train(args, model, rank, world, None)
     if rank == 0:
-        print(f"final loss {final:.4f} after {args.steps} steps", flush=True)
+        print(f"final loss {final:.6f} after {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
 

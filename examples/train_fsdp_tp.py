@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     dp_rank = mesh.get_local_rank("dp")
     final = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"), loss_context=loss_parallel)
     if rank == 0:
-        print(f"final loss {final:.4f} after {args.steps} steps", flush=True)
+        print(f"final loss {final:.6f} after {args.steps} steps", flush=True)
     dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ so a DTensor can be handed to a jitted JAX function and the result taken back, s
 shard, without communication::
 
     import jax
+    import torch
     from torch.distributed.tensor import distribute_tensor, Shard
     from tpu_dist.dtensor_ext import from_jax, to_jax
     from tpu_dist.mesh import init_device_mesh
