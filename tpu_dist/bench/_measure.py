@@ -28,7 +28,7 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -112,6 +112,8 @@ def run_rank(
 
 
 class _Runner:
+    """Rank-local state of one run: groups, devices, the TPU topology (if any)."""
+
     def __init__(
         self,
         config: BenchConfig,
@@ -143,7 +145,7 @@ class _Runner:
         except ValueError as err:
             self.topology_note = f"no busbw expectation: {err}"
 
-    def _say(self, text: str, stream=None) -> None:
+    def _say(self, text: str, stream: TextIO | None = None) -> None:
         if self.rank == 0:
             write_line(stream or sys.stdout, text)
 
