@@ -25,12 +25,27 @@ early, use ``with World(...) as world`` in a fixture of your own.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from tests.harness import World, close_all_worlds
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Let every world of the session share compiled XLA programs (JAX's persistent cache).
+
+    Each new world would otherwise compile the same collective programs again, which is most
+    of the suite's time on a small machine. JAX reads these variables when it is imported, so
+    they are set here, before the forkserver that workers come from imports it; a value the
+    user set wins.
+    """
+    cache = os.path.join(tempfile.gettempdir(), "tpu_dist_test_jax_cache")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 
 @pytest.fixture(scope="module")
