@@ -66,7 +66,11 @@ def _word_count(tensor: torch.Tensor) -> int:
 
 def _write(out: torch.Tensor, result: torch.Tensor) -> None:
     """Copy a flat result block (values or words) into ``out``, any layout."""
-    out.copy_(result.view(out.dtype).view(out.shape))
+    if result.dtype != out.dtype:
+        result = result.view(out.dtype)
+    if result.shape != out.shape:
+        result = result.view(out.shape)
+    out.copy_(result)
 
 
 def _reduce_params(op_name: str, opts_op: dist.ReduceOp, dtype: torch.dtype) -> tuple:

@@ -29,6 +29,9 @@ import torch.distributed as dist
 
 from tpu_dist.collectives import _runtime
 
+#: Longest sleep between readiness checks of a polled work (TPU_DIST_TIMEOUT_POLICY=raise).
+_MAX_POLL_SLEEP = 2e-4
+
 
 class TPUWork(dist._Work):
     """The handle of one "tpu" collective call (see the module docstring)."""
@@ -79,13 +82,14 @@ class TPUWork(dist._Work):
             for array in self._pending:
                 array.block_until_ready()
             return
-        # Poll, so that the watchdog can fail a program that will never finish.
+        # Poll, so that the watchdog can fail a program that will never finish. The sleep
+        # stays short: every microsecond slept after the data arrived is added to the call.
         delay = 5e-5
         while not all(a.is_ready() for a in self._pending):
             if self._failed_from_outside is not None:
                 raise self._failed_from_outside
             time.sleep(delay)
-            delay = min(delay * 2, 2e-3)
+            delay = min(delay * 2, _MAX_POLL_SLEEP)
         for array in self._pending:
             array.block_until_ready()  # raises the program's own error, if any
 
