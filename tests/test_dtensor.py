@@ -447,3 +447,105 @@ def _fsdp_tp_param_to_jax(rank: int, world_size: int) -> list[str]:
 
 def test_fsdp_over_tp_parameter_to_jax(world: World) -> None:
     assert world.run(_fsdp_tp_param_to_jax) == [[]] * WORLD_SIZE
+
+
+# -- tpu_dist.mesh.init_device_mesh on 8 ranks -------------------------------------------------
+
+
+def _planned_meshes_8(rank: int, world_size: int) -> dict:
+    """tpu_dist's topology-aware meshes on 8 ranks: layout, JAX agreement, DTensor on them.
+
+    The 2-D and the two-slice meshes list each tp group in ring order ([0, 2, 3, 1]), not
+    sorted: the redistribution [Shard(0), Shard(1)] -> [Replicate(), Shard(0)] returns wrong
+    values there unless the axis groups keep that order (torch's DeviceMesh sorts them).
+    """
+    import os
+
+    import torch.distributed as dist
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tpu_dist.collectives import global_devices
+    from tpu_dist.mesh import current_topology, init_device_mesh, mesh_to_jax, plan_mesh
+
+    def layout(mesh) -> dict:
+        devices = global_devices()
+        jax_ids = [devices.index(d) for d in mesh_to_jax(mesh).devices.flat]
+        # DTensor takes a rank's coordinate on an axis as its rank in the axis's group.
+        groups_agree = all(
+            dist.get_process_group_ranks(mesh.get_group(name)) == mesh[name].mesh.tolist()
+            for name in mesh.mesh_dim_names
+        )
+        return {
+            "mesh": mesh.mesh.tolist(),
+            "jax_agrees": jax_ids == mesh.mesh.flatten().tolist(),
+            "groups_agree": groups_agree,
+        }
+
+    def dtensor_problems(mesh, placements, shape) -> list[str]:
+        full = _full(shape)
+        dt = distribute_tensor(full, mesh, placements)
+        problems = []
+        if not torch.equal(dt.full_tensor(), full):
+            problems.append(f"{placements}: full_tensor differs")
+        flipped = dt.redistribute(mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)])
+        if not torch.equal(flipped.full_tensor(), full):
+            problems.append(f"{placements} -> (R.., S(0)): wrong values")
+        w = distribute_tensor(full.T.contiguous(), mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(1)])
+        if not torch.equal((dt @ w).full_tensor(), full @ full.T):
+            problems.append(f"{placements}: matmul differs")
+        return problems
+
+    # Default topology for 8 ranks: v5p 2x2x2 (two hosts of 2x2 chips), one slice.
+    topo = current_topology()
+    two_d = init_device_mesh((2, 4), mesh_dim_names=("dp", "tp"))
+    three_d = init_device_mesh((2, 2, 2), mesh_dim_names=("dp", "fsdp", "tp"))
+    problems = []
+    if two_d.mesh.tolist() != plan_mesh(topo, (2, 4)).tolist():
+        problems.append("2-D mesh is not the plan")
+    if three_d.mesh.tolist() != plan_mesh(topo, (2, 2, 2)).tolist():
+        problems.append("3-D mesh is not the plan")
+    problems += dtensor_problems(two_d, [Shard(0), Shard(1)], (8, 8))
+    problems += dtensor_problems(three_d, [Shard(0), Replicate(), Shard(1)], (8, 8))
+
+    # Two emulated v5p slices of 2x2x1 joined by DCN: tp inside a slice, dp across.
+    os.environ.update({"TPU_DIST_TOPOLOGY": "v5p:2x2x1", "TPU_DIST_NUM_SLICES": "2"})
+    try:
+        sliced_topo = current_topology()
+        sliced = init_device_mesh((1, 4), mesh_dim_names=("dp", "tp"), dcn_mesh_shape=(2, 1))
+    finally:
+        del os.environ["TPU_DIST_TOPOLOGY"], os.environ["TPU_DIST_NUM_SLICES"]
+    if sliced.mesh.tolist() != plan_mesh(sliced_topo, (1, 4), (2, 1)).tolist():
+        problems.append("2-slice mesh is not the plan")
+    problems += dtensor_problems(sliced, [Shard(1), Shard(0)], (8, 4))
+    return {
+        "topology": (topo.generation.name, topo.shape, topo.num_slices),
+        "two_d": layout(two_d),
+        "three_d": layout(three_d),
+        "sliced": layout(sliced),
+        "slice_of_tp_group": sorted({sliced_topo.chips[r].slice_index
+                                     for r in sliced["tp"].mesh.tolist()}),
+        "problems": problems,
+    }
+
+
+def test_planned_meshes_on_8_ranks(world: World) -> None:
+    results = world.run(_planned_meshes_8)
+    assert all(r["problems"] == [] for r in results), [r["problems"] for r in results]
+    same = [{k: v for k, v in r.items() if k != "slice_of_tp_group"} for r in results]
+    assert all(r == same[0] for r in same), "ranks disagree on a mesh"
+    first = results[0]
+    assert first["topology"] == ("v5p", (2, 2, 2), 1)
+    # Layouts checked by hand (tpu_dist.mesh.init_device_mesh's docstring draws the 2-D one):
+    # each tp group is a ring over one host's 2x2 chips (0,0) (0,1) (1,1) (1,0); dp pairs the
+    # two hosts along z.
+    assert first["two_d"]["mesh"] == [[0, 2, 3, 1], [4, 6, 7, 5]]
+    # 3-D: tp pairs x-neighbours, fsdp y-neighbours, dp the two hosts along z.
+    assert first["three_d"]["mesh"] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    # Two slices: a row is one slice (ranks are slice-major), the same ring inside each, so
+    # every tp group stays in its slice and dp crosses DCN.
+    assert first["sliced"]["mesh"] == [[0, 2, 3, 1], [4, 6, 7, 5]]
+    assert [r["slice_of_tp_group"] for r in results] == [[0]] * 4 + [[1]] * 4
+    for r in results:
+        for name in ("two_d", "three_d", "sliced"):
+            assert r[name]["jax_agrees"] and r[name]["groups_agree"], (name, r[name])

@@ -201,7 +201,33 @@ def init_device_mesh(
         )
     names = _check_names(mesh_dim_names, len(tuple(mesh_shape)))
     ranks = plan_mesh(current_topology(dist.get_world_size()), mesh_shape, dcn_mesh_shape)
-    return DeviceMesh("cpu", torch.from_numpy(ranks), mesh_dim_names=names)
+    return DeviceMesh.from_group(
+        _groups_in_mesh_order(ranks), "cpu", mesh=torch.from_numpy(ranks), mesh_dim_names=names
+    )
+
+
+def _groups_in_mesh_order(ranks: np.ndarray) -> list:
+    """This rank's process group along each axis of ``ranks``, group rank = mesh position.
+
+    A planned mesh lists an axis's ranks in ring order (``[0, 2, 3, 1]``), and DTensor takes a
+    rank's coordinate on an axis to be its rank in that axis's group. torch's own
+    ``DeviceMesh(...)`` builds its groups with ``new_group``'s default ``sort_ranks=True``, so
+    on such a mesh the two disagree and some redistributions return wrong values, on every
+    backend (seen with gloo on torch 2.13: ``[Shard(0), Shard(1)] -> [Replicate(), Shard(0)]``
+    on ``[[0, 2, 3, 1], [4, 6, 7, 5]]``). Groups made here keep the mesh's order. Every rank
+    creates every group, in the same order, as ``new_group`` requires.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    mine = []
+    for axis in range(ranks.ndim):
+        fibers = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis])
+        for fiber in fibers.tolist():
+            group = dist.new_group(ranks=fiber, sort_ranks=False)
+            if me in fiber:
+                mine.append(group)
+    return mine
 
 
 def mesh_to_jax(mesh: DeviceMesh, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
