@@ -240,6 +240,17 @@ def test_emulation_env_and_user_overrides() -> None:
     assert env.shared["TPU_DIST_NUM_SLICES"] == "1" and env.shared["OMP_NUM_THREADS"] == "1"
 
 
+def test_cpu_workers_get_huge_pages_unless_glibc_tunables_is_set() -> None:
+    emulated = compute_worker_env(spec_for(["--emulate", "v5p:2x2x1"]), {})
+    assert emulated.shared["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    # The user's own tunables are theirs: nothing is added or merged.
+    environ = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
+    own = compute_worker_env(spec_for(["--emulate", "v5p:2x2x1"], environ=environ), environ)
+    assert "GLIBC_TUNABLES" not in own.shared
+    # TPU workers keep glibc's defaults (their collective buffers live on the chips).
+    assert "GLIBC_TUNABLES" not in compute_worker_env(spec_for([], V4_16_HOST1), {}).shared
+
+
 def test_user_set_chip_var_wins_with_a_note() -> None:
     environ = {"TPU_VISIBLE_CHIPS": "0"}
     env = compute_worker_env(spec_for([], V4_16_HOST1, environ), environ)

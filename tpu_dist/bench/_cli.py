@@ -138,7 +138,8 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
     Under torchrun / tpu-launch (``RANK`` and ``WORLD_SIZE`` set) this process is one rank
     (``env://`` rendezvous) and only rank 0 gets the report. Otherwise ``config.nproc`` ranks
     are spawned on this machine (``torch.multiprocessing``, spawn method) and this process
-    collects rank 0's report.
+    collects rank 0's report. Spawned ranks get what ``tpu-launch`` gives CPU workers:
+    ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` unless it is set (both backends see it).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from tpu_dist.bench._measure import run_rank
@@ -146,16 +147,25 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
         return run_rank(config, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory(prefix="tpu_dist_bench_") as tmp:
-        out = os.path.join(tmp, "report.json")
-        mp.start_processes(
-            _spawned,
-            args=(config, config.nproc, _free_port(), out),
-            nprocs=config.nproc,
-            start_method="spawn",
-        )
-        with open(out) as f:
-            return json.load(f)
+    from tpu_dist.launch._env import HUGE_PAGES_TUNABLE
+
+    ours = "GLIBC_TUNABLES" not in os.environ
+    if ours:
+        os.environ["GLIBC_TUNABLES"] = HUGE_PAGES_TUNABLE  # read by each new process at start
+    try:
+        with tempfile.TemporaryDirectory(prefix="tpu_dist_bench_") as tmp:
+            out = os.path.join(tmp, "report.json")
+            mp.start_processes(
+                _spawned,
+                args=(config, config.nproc, _free_port(), out),
+                nprocs=config.nproc,
+                start_method="spawn",
+            )
+            with open(out) as f:
+                return json.load(f)
+    finally:
+        if ours:
+            del os.environ["GLIBC_TUNABLES"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

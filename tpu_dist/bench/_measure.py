@@ -84,7 +84,10 @@ def environment() -> dict[str, Any]:
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "env": {
             k: os.environ[k]
-            for k in ("XLA_FLAGS", "OMP_NUM_THREADS", "TPU_DIST_PLATFORM", "JAX_PLATFORMS")
+            for k in (
+                "XLA_FLAGS", "OMP_NUM_THREADS", "TPU_DIST_PLATFORM", "JAX_PLATFORMS",
+                "GLIBC_TUNABLES",
+            )
             if k in os.environ
         },
     }
