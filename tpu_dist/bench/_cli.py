@@ -138,8 +138,10 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
     Under torchrun / tpu-launch (``RANK`` and ``WORLD_SIZE`` set) this process is one rank
     (``env://`` rendezvous) and only rank 0 gets the report. Otherwise ``config.nproc`` ranks
     are spawned on this machine (``torch.multiprocessing``, spawn method) and this process
-    collects rank 0's report. Spawned ranks get what ``tpu-launch`` gives CPU workers:
-    ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` unless it is set (both backends see it).
+    collects rank 0's report. Spawned ranks get what ``tpu-launch`` gives CPU workers, unless
+    set: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` and, with several ranks, ``OMP_NUM_THREADS=1``
+    (as torchrun; torch's intra-op threads spinning beside XLA's made the tpu backend's
+    0.25-4 MiB all_reduce ~3x slower, benchmarks/README.md E15). Both backends see them.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from tpu_dist.bench._measure import run_rank
@@ -149,9 +151,12 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
 
     from tpu_dist.launch._env import HUGE_PAGES_TUNABLE
 
-    ours = "GLIBC_TUNABLES" not in os.environ
-    if ours:
-        os.environ["GLIBC_TUNABLES"] = HUGE_PAGES_TUNABLE  # read by each new process at start
+    # Read by each new process at start; removed again afterwards.
+    ours = {"GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
+    if config.nproc > 1:
+        ours["OMP_NUM_THREADS"] = "1"
+    ours = {var: value for var, value in ours.items() if var not in os.environ}
+    os.environ.update(ours)
     try:
         with tempfile.TemporaryDirectory(prefix="tpu_dist_bench_") as tmp:
             out = os.path.join(tmp, "report.json")
@@ -164,8 +169,8 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
             with open(out) as f:
                 return json.load(f)
     finally:
-        if ours:
-            del os.environ["GLIBC_TUNABLES"]
+        for var in ours:
+            del os.environ[var]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
