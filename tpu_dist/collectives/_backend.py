@@ -52,6 +52,16 @@ def _values(tensor: torch.Tensor) -> torch.Tensor:
 
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16}
 
+#: torch dtype -> the JAX/numpy dtype name a block of it becomes (torch.float32 -> "float32").
+_DTYPE_NAMES = {
+    dtype: str(dtype).removeprefix("torch.")
+    for dtype in (
+        torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
+        torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
+        torch.bool,
+    )
+}
+
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
     """The flat tensor as raw words: int8/int16 for 1/2-byte dtypes, else int32."""
@@ -259,7 +269,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             empty = [b.new_empty(0) for b in blocks]
             return TPUWork.completed(description, finish(empty))
         arrays = [_runtime.to_jax(b) for b in blocks]
-        meta = tuple((a.shape[0], a.dtype.name) for a in arrays)
+        meta = tuple((b.numel(), _DTYPE_NAMES[b.dtype]) for b in blocks)
         if self._check_calls:
             self._check_same_call(description, params, meta)
         self._seq += 1

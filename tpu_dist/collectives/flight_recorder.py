@@ -73,8 +73,8 @@ class FlightRecorder:
             "group_ranks": list(group_ranks),
             "seq": seq,
             "op": op,
-            "blocks": [list(b) for b in blocks],
-            "params": [str(p) for p in params],
+            "blocks": blocks,  # made JSON-shaped by entries(), off the collective's path
+            "params": params,
             "state": "scheduled",
             "time_scheduled": time.time(),
             "time_finished": None,
@@ -97,7 +97,11 @@ class FlightRecorder:
     def entries(self) -> list[dict]:
         """A copy of the buffered entries, oldest first."""
         with self._lock:
-            return [dict(e) for e in self._entries]
+            entries = [dict(e) for e in self._entries]
+        for entry in entries:
+            entry["blocks"] = [list(b) for b in entry["blocks"]]
+            entry["params"] = [str(p) for p in entry["params"]]
+        return entries
 
     def dump(self, directory: str | None = None, reason: str = "on demand") -> str:
         """Write the buffer as JSON; returns the file's path."""
