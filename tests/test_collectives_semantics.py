@@ -209,6 +209,49 @@ def test_steady_loop_compiles_nothing_after_first_step(world: World) -> None:
         assert counts[1:] == [counts[0]] * 3, counts
 
 
+def _both_dispatch_paths(rank: int, world_size: int) -> list[str]:
+    """The same calls through the executable's own ``execute`` and through the public
+    ``Compiled.__call__`` on global arrays (the fallback when jaxlib's private call is gone)."""
+    from tpu_dist.collectives import _lowering
+
+    def calls() -> list[torch.Tensor]:
+        a = torch.arange(6, dtype=torch.float64) * (rank + 1) + 2**40   # exact beyond 32 bits
+        dist.all_reduce(a)
+        gathered = torch.empty(world_size * 3, dtype=torch.int16)
+        dist.all_gather_into_tensor(gathered, torch.full((3,), rank, dtype=torch.int16))
+        pair = [torch.zeros(2), torch.ones(2) * rank]
+        dist.all_reduce_coalesced(pair)                                   # two blocks, one program
+        return [a, gathered, *pair]
+
+    direct = calls()
+    problems = []
+    if not all(p.execute is not None for p in _lowering._programs.values()):
+        problems.append("a program has no direct execute")
+    saved = dict(_lowering._programs)
+    for key, found in saved.items():
+        _lowering._programs[key] = _lowering._Program(found.compiled, None)
+    try:
+        public = calls()
+    finally:
+        _lowering._programs.update(saved)
+    total = sum(range(1, world_size + 1))
+    want = [
+        torch.arange(6, dtype=torch.float64) * total + world_size * 2**40,
+        torch.arange(world_size, dtype=torch.int16).repeat_interleave(3),
+        torch.zeros(2),
+        torch.ones(2) * sum(range(world_size)),
+    ]
+    for name, results in (("direct", direct), ("public", public)):
+        for got, expected in zip(results, want):
+            if not torch.equal(got, expected):
+                problems.append(f"{name}: {got.tolist()} != {expected.tolist()}")
+    return problems
+
+
+def test_direct_and_public_dispatch_agree(world: World) -> None:
+    assert world.run(_both_dispatch_paths) == [[]] * 4
+
+
 def _bad_calls(rank: int, world_size: int) -> list[tuple[str, str]]:
     """Each bad call must raise on the calling rank before anything is sent."""
     outcomes = []

@@ -283,7 +283,10 @@ def run(
     found = program(key, devices)
     with _runtime.x64_scope():
         if found.execute is not None:
-            return found.execute(list(local_blocks))
+            try:
+                return found.execute(list(local_blocks))
+            except TypeError:  # jaxlib changed the private call: the public one from now on
+                found = _programs[key] = _Program(found.compiled, None)
         _, sharding = mesh_for(devices)
         size = len(devices)
         global_args = [
