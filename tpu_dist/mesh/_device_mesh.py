@@ -202,11 +202,12 @@ def init_device_mesh(
     names = _check_names(mesh_dim_names, len(tuple(mesh_shape)))
     ranks = plan_mesh(current_topology(dist.get_world_size()), mesh_shape, dcn_mesh_shape)
     return DeviceMesh.from_group(
-        _groups_in_mesh_order(ranks), "cpu", mesh=torch.from_numpy(ranks), mesh_dim_names=names
+        _groups_in_mesh_order(ranks, names), "cpu", mesh=torch.from_numpy(ranks),
+        mesh_dim_names=names,
     )
 
 
-def _groups_in_mesh_order(ranks: np.ndarray) -> list:
+def _groups_in_mesh_order(ranks: np.ndarray, mesh_dim_names: Sequence[str] | None) -> list:
     """This rank's process group along each axis of ``ranks``, group rank = mesh position.
 
     A planned mesh lists an axis's ranks in ring order (``[0, 2, 3, 1]``), and DTensor takes a
@@ -214,19 +215,34 @@ def _groups_in_mesh_order(ranks: np.ndarray) -> list:
     ``DeviceMesh(...)`` builds its groups with ``new_group``'s default ``sort_ranks=True``, so
     on such a mesh the two disagree and some redistributions return wrong values, on every
     backend (seen with gloo on torch 2.13: ``[Shard(0), Shard(1)] -> [Replicate(), Shard(0)]``
-    on ``[[0, 2, 3, 1], [4, 6, 7, 5]]``). Groups made here keep the mesh's order. Every rank
-    creates every group, in the same order, as ``new_group`` requires.
+    on ``[[0, 2, 3, 1], [4, 6, 7, 5]]``). Groups made here keep the mesh's order.
+
+    A rank creates only its own group of each axis (``use_local_synchronization``: members
+    meet, nobody else takes part), so a mesh of N ranks costs each rank one group creation per
+    axis instead of N / size per axis; every rank creates its axes in the same order, so the
+    member-only barriers cannot deadlock. An axis that is the whole world in rank order is
+    the default group, as in torch.
     """
     import torch.distributed as dist
 
     me = dist.get_rank()
+    world = list(range(dist.get_world_size()))
+    names = mesh_dim_names or [f"dim_{axis}" for axis in range(ranks.ndim)]
     mine = []
     for axis in range(ranks.ndim):
-        fibers = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis])
-        for fiber in fibers.tolist():
-            group = dist.new_group(ranks=fiber, sort_ranks=False)
-            if me in fiber:
-                mine.append(group)
+        fibers = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+        fiber = next(f for f in fibers if me in f)
+        if fiber == world:
+            mine.append(dist.group.WORLD)
+            continue
+        mine.append(
+            dist.new_group(
+                ranks=fiber,
+                sort_ranks=False,
+                use_local_synchronization=True,
+                group_desc=f"mesh_{names[axis]}",
+            )
+        )
     return mine
 
 
