@@ -252,6 +252,32 @@ def test_direct_and_public_dispatch_agree(world: World) -> None:
     assert world.run(_both_dispatch_paths) == [[]] * 4
 
 
+def _zero_copy(rank: int, world_size: int) -> list[str]:
+    """Blocks go to JAX without a copy (DLPack), for every dtype a collective sends."""
+    from tpu_dist.collectives import _runtime
+
+    problems = []
+    dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
+              torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8]
+    for dtype in dtypes:
+        t = torch.ones(1024, dtype=dtype)  # torch's CPU allocator aligns to 64 bytes
+        array = _runtime.to_jax(t)
+        if array.unsafe_buffer_pointer() != t.data_ptr():
+            problems.append(f"{dtype}: the JAX array does not share the tensor's memory")
+        if str(array.dtype) != str(dtype).removeprefix("torch."):
+            problems.append(f"{dtype}: became {array.dtype}")
+    # An offset view is shared too, where its address keeps XLA's alignment (a 64-byte step).
+    base = torch.zeros(64)
+    view = base[16:32]
+    if _runtime.to_jax(view).unsafe_buffer_pointer() != view.data_ptr():
+        problems.append("a 64-byte-aligned offset view was copied")
+    return problems
+
+
+def test_blocks_reach_jax_without_a_copy(world: World) -> None:
+    assert world.run(_zero_copy) == [[]] * 4
+
+
 def _bad_calls(rank: int, world_size: int) -> list[tuple[str, str]]:
     """Each bad call must raise on the calling rank before anything is sent."""
     outcomes = []
