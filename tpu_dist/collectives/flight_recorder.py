@@ -18,6 +18,11 @@ which ranks are behind (their last sequence number is lower) and where ranks
 called different collectives at the same sequence number::
 
     python -m tpu_dist.collectives.flight_recorder /tmp/tpu_dist_flight_recorder
+
+The format is our own JSON, not the pickle of torch's NCCL flight recorder: torch 2.13's
+analyzer (``torch.distributed.flight_recorder.fr_trace``) accepts only records whose profiling
+name starts with one of its known libraries (``nccl:``, ``gloo:``, ``xccl:``, ...) and rejects
+any other, so it could read these records only if they claimed to come from another backend.
 """
 
 from __future__ import annotations
