@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.collective_cases import make_input
 from tests.harness import World
 
 
@@ -107,6 +106,41 @@ def _async_works(rank: int, world_size: int) -> list[str]:
 
 def test_async_work_wait_is_completed_future(world: World) -> None:
     assert world.run(_async_works) == [[]] * 4
+
+
+def _async_returns_before_peers_arrive(rank: int, world_size: int) -> dict:
+    """Rank 0 issues async collectives while the others are still asleep; a synchronous call
+    right after them still runs after them (the same order on every rank)."""
+    total = float(sum(range(world_size)))
+    small = torch.full((8,), float(rank))      # XLA:CPU would run this inline, blocking
+    gathered = torch.empty(world_size * 3)
+    dist.barrier()
+    if rank != 0:
+        time.sleep(1.5)
+    began = time.monotonic()
+    first = dist.all_reduce(small, async_op=True)
+    second = dist.all_gather_into_tensor(gathered, torch.full((3,), float(rank)), async_op=True)
+    returned_after = time.monotonic() - began
+    done_early = first.is_completed()
+    after = torch.full((4,), float(rank))
+    dist.all_reduce(after, op=dist.ReduceOp.MAX)  # sync: must not overtake the two above
+    second.wait()
+    first.wait()
+    return {
+        "returned_after": returned_after,
+        "done_early": done_early,
+        "values": [small.tolist() == [total] * 8,
+                   gathered.tolist() == [float(r) for r in range(world_size) for _ in range(3)],
+                   after.tolist() == [float(world_size - 1)] * 4],
+    }
+
+
+def test_async_op_returns_before_the_data_moves(world: World) -> None:
+    results = world.run(_async_returns_before_peers_arrive)
+    assert all(r["values"] == [True, True, True] for r in results), results
+    # Rank 0 got both works back while ranks 1..3 slept 1.5 s, and they were not done then.
+    assert results[0]["returned_after"] < 0.5, results[0]
+    assert results[0]["done_early"] is False, results[0]
 
 
 def _subgroups(rank: int, world_size: int) -> list[str]:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from tpu_dist.collectives import _checks, _lowering, _runtime, _watchdog, flight_recorder
 from tpu_dist.collectives._lowering import ProgramKey
-from tpu_dist.collectives._work import TPUWork
+from tpu_dist.collectives._work import TPUWork, wait_interruptibly
 
 _SUM_LIKE = ("SUM", "AVG", "PREMUL_SUM")
 
@@ -141,29 +141,47 @@ _p2p_seq: dict[str, int] = {}
 _CALL_BYTES = 256
 
 
-_dispatcher: concurrent.futures.ThreadPoolExecutor | None = None
+class _Dispatcher:
+    """Starts XLA programs on one helper thread, in call order.
 
-
-def _dispatch_interruptibly(work: TPUWork, key: ProgramKey, devices, arrays) -> list:
-    """Dispatch on a helper thread so the watchdog can fail a call stuck inside XLA.
-
-    XLA runs small CPU programs inline, inside dispatch, and the first call of a
-    program sets up communicators there: either can block until every peer
-    arrives. With TPU_DIST_TIMEOUT_POLICY=raise the caller waits here instead,
-    where the watchdog's error reaches it.
+    XLA:CPU runs small programs inline, inside dispatch, and the first call of a program sets
+    up communicators there: either blocks the caller until every peer has arrived. An
+    ``async_op=True`` call must return at once, so its program starts here; with
+    TPU_DIST_TIMEOUT_POLICY=raise every call starts here, so that the caller waits where the
+    watchdog's error reaches it. Programs must start in the same order on every rank, so while
+    this thread has programs to start, every other one of the process starts here too
+    (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread hop.
     """
-    global _dispatcher
-    if _dispatcher is None:
-        _dispatcher = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tpu_dist-dispatch")
-    future = _dispatcher.submit(_lowering.run, key, devices, arrays)
-    delay = 5e-5
-    while True:
-        try:
-            return future.result(timeout=delay)
-        except concurrent.futures.TimeoutError:
-            if work._failed_from_outside is not None:
-                raise work._failed_from_outside from None
-            delay = min(delay * 2, 2e-3)
+
+    def __init__(self) -> None:
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def submit(self, key: ProgramKey, devices, arrays) -> concurrent.futures.Future:
+        """Start ``key``'s program after every earlier one; the future holds its result blocks."""
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix="tpu_dist-dispatch"
+                )
+            self._queued += 1
+        future = self._executor.submit(_lowering.run, key, devices, arrays)
+        future.add_done_callback(self._started)
+        return future
+
+    def _started(self, _future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._queued -= 1
+
+    def run_in_order(self, key: ProgramKey, devices, arrays) -> list:
+        """Start ``key``'s program now, inline, unless earlier ones are still queued here."""
+        if self._queued == 0:
+            return _lowering.run(key, devices, arrays)
+        return self.submit(key, devices, arrays).result()
+
+
+_dispatcher = _Dispatcher()
 
 
 def _track(
@@ -261,8 +279,13 @@ class ProcessGroupTPU(dist.ProcessGroup):
         params: tuple,
         blocks: Sequence[torch.Tensor],
         finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+        *,
+        async_op: bool = False,
     ) -> TPUWork:
-        """Dispatch ``kind``'s program on flat ``blocks``; ``finish`` gets the results."""
+        """Dispatch ``kind``'s program on flat ``blocks``; ``finish`` gets the results.
+
+        With ``async_op`` the program starts on the dispatcher thread and this returns at once.
+        """
         _p2p_queue.flush()
         if all(b.numel() == 0 for b in blocks):
             # Nothing to move; every rank of the group sees the same empty shapes.
@@ -286,11 +309,18 @@ class ProcessGroupTPU(dist.ProcessGroup):
         # communicators inside dispatch and blocks there until every peer arrives.
         _track(work, self._group_name, self._global_ranks, seq, description, meta, params,
                self._timeout)
+        def complete() -> list[torch.Tensor]:
+            # By now the work holds the program's result blocks (see TPUWork._await_arrays).
+            return finish([_runtime.to_torch(o) for o in work._pending])
+
+        if async_op:
+            work._attach_dispatch(_dispatcher.submit(key, self._devices, arrays), complete)
+            return work
         try:
             if self._poll:
-                outs = _dispatch_interruptibly(work, key, self._devices, arrays)
+                outs = wait_interruptibly(work, _dispatcher.submit(key, self._devices, arrays))
             else:
-                outs = _lowering.run(key, self._devices, arrays)
+                outs = _dispatcher.run_in_order(key, self._devices, arrays)
         except dist.DistBackendError as err:
             work._attach((), None)
             work._on_done(err)
@@ -300,10 +330,6 @@ class ProcessGroupTPU(dist.ProcessGroup):
             work._attach((), None)
             work._on_done(error)
             raise error from err
-
-        def complete() -> list[torch.Tensor]:
-            return finish([_runtime.to_torch(o) for o in outs])
-
         work._attach(outs, complete)
         return work
 
@@ -321,7 +347,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         key = ProgramKey("allgather", self._device_ids, ((_CALL_BYTES, "uint8"),), ())
-        (gathered,) = _lowering.run(key, self._devices, [_runtime.to_jax(mine)])
+        (gathered,) = _dispatcher.run_in_order(key, self._devices, [_runtime.to_jax(mine)])
         rows = _runtime.to_torch(gathered).view(self.size(), _CALL_BYTES)
         calls = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
         if len(set(calls)) > 1:
@@ -345,7 +371,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             _write(tensor, results[0])
             return [tensor]
 
-        return self._launch("all_reduce", "allreduce", params, [_values(tensor)], finish)
+        return self._launch(
+            "all_reduce", "allreduce", params, [_values(tensor)], finish, async_op=opts.asyncOp
+        )
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
@@ -369,7 +397,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return list(tensors)
 
         blocks = [_values(t) for t in tensors]
-        return self._launch(op, "allreduce", params.pop(), blocks, finish)
+        return self._launch(op, "allreduce", params.pop(), blocks, finish, async_op=opts.asyncOp)
 
     def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions) -> TPUWork:
         op = "reduce"
@@ -383,7 +411,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(tensor, results[0])
             return [tensor]
 
-        return self._launch(op, "allreduce", params, [_values(tensor)], finish)
+        return self._launch(
+            op, "allreduce", params, [_values(tensor)], finish, async_op=opts.asyncOp
+        )
 
     # -- all-gather -------------------------------------------------------------
 
@@ -409,7 +439,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(out, chunk)
             return list(outputs)
 
-        return self._launch(op, "allgather", (), [_words(tensor)], finish)
+        return self._launch(op, "allgather", (), [_words(tensor)], finish, async_op=opts.asyncOp)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions
@@ -421,7 +451,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             _write(output, results[0])
             return [output]
 
-        return self._launch(op, "allgather", (), [_words(input)], finish)
+        return self._launch(op, "allgather", (), [_words(input)], finish, async_op=opts.asyncOp)
 
     def all_gather_single_coalesced(
         self,
@@ -445,7 +475,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(out, r)
             return list(outputs)
 
-        return self._launch(op, "allgather", (), [_words(t) for t in inputs], finish)
+        return self._launch(
+            op, "allgather", (), [_words(t) for t in inputs], finish, async_op=opts.asyncOp
+        )
 
     def _check_gather_pair(
         self, op: str, big: torch.Tensor, small: torch.Tensor, what: str
@@ -488,7 +520,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(out, chunk)
             return list(outputs)
 
-        return self._launch(op, "allgather", (), [_words(tensor)], finish)
+        return self._launch(op, "allgather", (), [_words(tensor)], finish, async_op=opts.asyncOp)
 
     # -- reduce-scatter -----------------------------------------------------------
 
@@ -515,7 +547,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             _write(output, results[0])
             return [output]
 
-        return self._launch(op, "reduce_scatter", params, [stacked], finish)
+        return self._launch(op, "reduce_scatter", params, [stacked], finish, async_op=opts.asyncOp)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions
@@ -528,7 +560,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             _write(output, results[0])
             return [output]
 
-        return self._launch(op, "reduce_scatter", params, [_values(input)], finish)
+        return self._launch(
+            op, "reduce_scatter", params, [_values(input)], finish, async_op=opts.asyncOp
+        )
 
     def reduce_scatter_single_coalesced(
         self,
@@ -559,7 +593,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return list(outputs)
 
         blocks = [_values(t) for t in inputs]
-        return self._launch(op, "reduce_scatter", params.pop(), blocks, finish)
+        return self._launch(
+            op, "reduce_scatter", params.pop(), blocks, finish, async_op=opts.asyncOp
+        )
 
     # -- broadcast and scatter ------------------------------------------------------
 
@@ -574,7 +610,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(tensor, results[0])
             return [tensor]
 
-        return self._launch(op, "broadcast", (opts.rootRank,), [_words(tensor)], finish)
+        return self._launch(
+            op, "broadcast", (opts.rootRank,), [_words(tensor)], finish, async_op=opts.asyncOp
+        )
 
     def scatter(
         self,
@@ -610,7 +648,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             _write(output, results[0])
             return [output]
 
-        return self._launch(op, "scatter", (opts.rootRank,), [block], finish)
+        return self._launch(op, "scatter", (opts.rootRank,), [block], finish, async_op=opts.asyncOp)
 
     # -- all-to-all -------------------------------------------------------------------
 
@@ -644,7 +682,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(output, results[0])
                 return [output]
 
-            return self._launch(op, "alltoall", (), [_words(input)], finish)
+            return self._launch(op, "alltoall", (), [_words(input)], finish, async_op=opts.asyncOp)
         send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
         recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
         row = _word_count(input[0]) if in_rows else _word_count(output[0])
@@ -660,7 +698,9 @@ class ProcessGroupTPU(dist.ProcessGroup):
                 _write(output, flat)
             return [output]
 
-        return self._uneven_alltoall(op, send_chunks, [r * row for r in recv], finish)
+        return self._uneven_alltoall(
+            op, send_chunks, [r * row for r in recv], finish, opts.asyncOp
+        )
 
     def alltoall(
         self,
@@ -686,7 +726,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             return list(output_tensors)
 
         recv_counts = [_word_count(t) for t in output_tensors]
-        return self._uneven_alltoall(op, send_chunks, recv_counts, finish)
+        return self._uneven_alltoall(op, send_chunks, recv_counts, finish, opts.asyncOp)
 
     def _uneven_alltoall(
         self,
@@ -694,6 +734,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
         send_chunks: list[torch.Tensor],
         recv_counts: list[int],
         finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+        async_op: bool,
     ) -> TPUWork:
         """All-to-all of chunks of any length: pad every chunk to the group's largest.
 
@@ -715,7 +756,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             rows = results[0].view(size, width)
             return finish([rows[peer, : recv_counts[peer]] for peer in range(size)])
 
-        return self._launch(op, "alltoall", (), [padded.view(-1)], unpad)
+        return self._launch(op, "alltoall", (), [padded.view(-1)], unpad, async_op=async_op)
 
     # -- point to point -----------------------------------------------------------------
 
@@ -767,7 +808,7 @@ class ProcessGroupTPU(dist.ProcessGroup):
             ((array.shape[0], array.dtype.name),),
             pair,
         )
-        outs = _lowering.run(key, [devices[low], devices[high]], [array])
+        outs = _dispatcher.run_in_order(key, [devices[low], devices[high]], [array])
 
         def complete() -> list[torch.Tensor]:
             if not op.is_send:
@@ -784,4 +825,4 @@ class ProcessGroupTPU(dist.ProcessGroup):
 
     def barrier(self, opts: dist.BarrierOptions) -> TPUWork:
         token = torch.zeros(1, dtype=torch.int32)
-        return self._launch("barrier", "barrier", (), [token], lambda r: [])
+        return self._launch("barrier", "barrier", (), [token], lambda r: [], async_op=opts.asyncOp)

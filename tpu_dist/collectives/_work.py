@@ -17,6 +17,7 @@ every ``wait()``; the output tensors are then left as they were.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import time
@@ -60,6 +61,7 @@ class TPUWork(dist._Work):
         self._error: BaseException | None = None
         self._result: list[torch.Tensor] = []
         self._future: torch.futures.Future | None = None
+        self._dispatching: concurrent.futures.Future | None = None
 
     @classmethod
     def completed(cls, description: str, result: list[torch.Tensor]) -> TPUWork:
@@ -73,11 +75,43 @@ class TPUWork(dist._Work):
         self._pending = list(pending)
         self._finish = finish
 
+    def _attach_dispatch(
+        self, dispatching: concurrent.futures.Future, finish: Callable[[], list[torch.Tensor]]
+    ) -> None:
+        """Give an ``async_op`` work the future of its program's start and its finish step;
+        the finish step finds the program's result blocks in ``self._pending``."""
+        self._dispatching = dispatching
+        self._finish = finish
+
     def _fail(self, error: BaseException) -> None:
         """Fail a work whose program will never finish (the watchdog's ``raise`` policy)."""
         self._failed_from_outside = error
 
+    def _await_dispatch(self) -> None:
+        """Wait until an ``async_op`` program has been started; its blocks become pending."""
+        dispatching = self._dispatching
+        if dispatching is None:
+            return
+        if self._poll:
+            outs = wait_interruptibly(self, dispatching)
+        else:
+            outs = dispatching.result()
+        self._pending = list(outs)
+        self._dispatching = None
+
+    def _outputs_ready(self) -> bool:
+        """True once waiting would not block (the program ran, or its start failed)."""
+        dispatching = self._dispatching
+        if dispatching is None:
+            return all(a.is_ready() for a in self._pending)
+        if not dispatching.done():
+            return False
+        if dispatching.exception() is not None:
+            return True
+        return all(a.is_ready() for a in dispatching.result())
+
     def _await_arrays(self) -> None:
+        self._await_dispatch()
         if not self._poll:
             for array in self._pending:
                 array.block_until_ready()
@@ -114,6 +148,7 @@ class TPUWork(dist._Work):
                     )
                 self._error.__cause__ = err
             self._pending = []
+            self._dispatching = None
             self._finish = None
             self._done = True
             future = self._future
@@ -144,7 +179,7 @@ class TPUWork(dist._Work):
         if not self._done:
             if self._before_wait is not None:
                 self._before_wait()
-            if self._finish is not None and all(a.is_ready() for a in self._pending):
+            if self._finish is not None and self._outputs_ready():
                 self._complete()
         return self._done
 
@@ -171,6 +206,18 @@ class TPUWork(dist._Work):
                 else:
                     _completer.submit(self)
             return self._future
+
+
+def wait_interruptibly(work: TPUWork, future: concurrent.futures.Future) -> list:
+    """``future.result()``, giving up with the watchdog's error if it fails ``work``."""
+    delay = 5e-5
+    while True:
+        try:
+            return future.result(timeout=delay)
+        except concurrent.futures.TimeoutError:
+            if work._failed_from_outside is not None:
+                raise work._failed_from_outside from None
+            delay = min(delay * 2, _MAX_POLL_SLEEP)
 
 
 class _Completer:
