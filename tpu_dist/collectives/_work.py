@@ -1,9 +1,11 @@
 """Work objects: what a "tpu" collective returns, and how it completes.
 
 JAX dispatch is asynchronous: when a collective method returns, its XLA
-program is queued and its results are JAX arrays that are not ready yet.
-:class:`TPUWork` completes the call: it waits for those arrays and runs the
-op's *finish* step, which copies results into the caller's output tensors.
+program is queued and its results are JAX arrays that are not ready yet (for
+``async_op=True`` calls, the program may not even have been started: the
+backend's dispatcher thread starts it). :class:`TPUWork` completes the call:
+it waits for the start and for those arrays, and runs the op's *finish* step,
+which copies results into the caller's output tensors.
 The finish step runs exactly once, on whichever thread gets there first:
 
 * ``work.wait()`` (what every synchronous torch.distributed call does),
