@@ -1,22 +1,23 @@
 """Time a training step of ``examples/train_fsdp.py`` on "tpu" and on "gloo" in ONE run.
 
-Every rank builds the example's decoder twice from the same seed, shards one copy with FSDP2
-over a mesh of a "tpu" group and the other over a mesh of a "gloo" group (the same ranks), and
-trains both on the same batches, alternating blocks of steps so that both backends see the same
-machine load. A step is the example's: forward, backward, AdamW step, and the all-reduce of the
+Every rank builds the example's decoder twice from the same seed, wraps one copy with FSDP2
+(``--wrap fsdp``, default) or DDP (``--wrap ddp``) over a "tpu" group and the other over a
+"gloo" group (the same ranks), and trains both on the same batches, alternating blocks of steps
+so that both backends see the same machine load. A step is the example's: forward, backward, AdamW step, and the all-reduce of the
 loss, timed from a barrier (on a third, gloo, group) to its end on each rank, then averaged over
 ranks. The two copies must produce the same losses up to the order in which the backends add
 a gradient's terms (relative difference <= 1e-6, as the test suite holds them); the script
 says so at the end and exits 1 otherwise.
 
-    tpu-launch --nproc-per-node 4 benchmarks/fsdp_step.py                  # the example's model
-    tpu-launch --nproc-per-node 4 benchmarks/fsdp_step.py --dim 256 --layers 4 --seq-len 128
-    torchrun --nproc-per-node 2 benchmarks/fsdp_step.py --rounds 10 --steps-per-round 5
+    tpu-launch --nproc-per-node 4 benchmarks/train_step.py                  # the example's model
+    tpu-launch --nproc-per-node 4 benchmarks/train_step.py --wrap ddp
+    tpu-launch --nproc-per-node 4 benchmarks/train_step.py --dim 256 --layers 4 --seq-len 128
+    torchrun --nproc-per-node 2 benchmarks/train_step.py --rounds 10 --steps-per-round 5
 
 Rank 0 prints one line per round and a summary: median step time per backend, the spread
 (half the p10..p90 range) and the ratio tpu/gloo (above 1: tpu is slower). Model flags are the
-example's (``--dim``, ``--layers``, ``--heads``, ``--batch-size``, ``--seq-len``,
-``--mixed-precision``).
+example's (``--dim``, ``--layers``, ``--heads``, ``--batch-size``, ``--seq-len``, and
+``--mixed-precision``, which only FSDP2 uses).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 import tpu_dist  # noqa: F401  (registers "tpu")
 
@@ -51,6 +53,8 @@ def _extra_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps-per-round", type=int, default=4,
                         help="steps per backend per round (default: 4)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per backend first")
+    parser.add_argument("--wrap", choices=("fsdp", "ddp"), default="fsdp",
+                        help="FSDP2 fully_shard (default) or DistributedDataParallel")
 
 
 def _spread(times: list[float]) -> float:
@@ -73,12 +77,15 @@ def main() -> None:
     )
     models, optimizers = {}, {}
     for name, group in groups.items():
-        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
         torch.manual_seed(args.seed)
         model = ex.Decoder(ex.model_config(args))
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(model, mesh=mesh, mp_policy=policy)
+        if args.wrap == "ddp":
+            model = DistributedDataParallel(model, process_group=group)
+        else:
+            mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp",))
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
         models[name] = model
         optimizers[name] = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = ex.corpus()
@@ -103,7 +110,8 @@ def main() -> None:
 
     if rank == 0:
         params = sum(p.numel() for p in models["tpu"].parameters())
-        print(f"# FSDP2 step of examples/train_fsdp.py: {world} ranks, {params} parameters, "
+        wrapper = "DDP" if args.wrap == "ddp" else "FSDP2"
+        print(f"# {wrapper} step of examples/train_fsdp.py: {world} ranks, {params} parameters, "
               f"batch {args.batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}; "
               f"{args.rounds} rounds x {args.steps_per_round} steps per backend, alternating; "
               f"torch {torch.__version__}", flush=True)
