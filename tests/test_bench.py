@@ -4,14 +4,17 @@ The real run starts 2 ranks through the console entry point (``python -m tpu_dis
 vs gloo, every op at two tiny sizes with 2 timed calls, and checks the JSON: positive times,
 algbw/busbw from the nccl-tests formulas for the known sizes, correct results, and no program
 compiled after each size's first call (a steady-state loop compiles nothing new). Timings are
-never asserted.
+never asserted. ``benchmarks/train_step.py`` runs once per wrapper (FSDP2, DDP) on 2 ranks for a
+few steps: it must finish and find the tpu and gloo losses equal up to rounding.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +135,16 @@ def test_two_ranks_end_to_end(tmp_path) -> None:
             assert r["ratio_to_reference"] == 1.0, where
     if plot is not None:
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
+def test_train_step_benchmark_runs_and_backends_agree(wrap: str) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "2", str(script),
+         "--wrap", wrap, "--rounds", "2", "--steps-per-round", "1", "--warmup", "1"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    assert "losses on tpu and gloo agree" in proc.stdout, proc.stdout[-3000:]
+    assert "step time tpu/gloo:" in proc.stdout, proc.stdout[-3000:]
