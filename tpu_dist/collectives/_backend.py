@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -154,23 +155,39 @@ class _Dispatcher:
     """
 
     def __init__(self) -> None:
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._queued = 0
 
     def submit(self, key: ProgramKey, devices, arrays) -> concurrent.futures.Future:
         """Start ``key``'s program after every earlier one; the future holds its result blocks."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
-            if self._executor is None:
-                self._executor = concurrent.futures.ThreadPoolExecutor(
-                    1, thread_name_prefix="tpu_dist-dispatch"
+            if self._thread is None:
+                # A daemon thread: one stuck in a collective whose peer is gone must not keep
+                # the process from exiting (a ThreadPoolExecutor's worker would).
+                self._thread = threading.Thread(
+                    target=self._loop, name="tpu_dist-dispatch", daemon=True
                 )
+                self._thread.start()
             self._queued += 1
-        future = self._executor.submit(_lowering.run, key, devices, arrays)
-        future.add_done_callback(self._started)
+        self._queue.put((future, key, devices, arrays))
         return future
 
-    def _started(self, _future: concurrent.futures.Future) -> None:
+    def _loop(self) -> None:
+        while True:
+            future, key, devices, arrays = self._queue.get()
+            try:
+                outs = _lowering.run(key, devices, arrays)
+            except BaseException as err:  # handed to whoever waits on the future
+                self._one_started()
+                future.set_exception(err)
+            else:
+                self._one_started()
+                future.set_result(outs)
+
+    def _one_started(self) -> None:
         with self._lock:
             self._queued -= 1
 
