@@ -3,9 +3,9 @@
 Every rank builds the example's decoder twice from the same seed, wraps one copy with FSDP2
 (``--wrap fsdp``, default) or DDP (``--wrap ddp``) over a "tpu" group and the other over a
 "gloo" group (the same ranks), and trains both on the same batches, alternating blocks of steps
-so that both backends see the same machine load. A step is the example's: forward, backward, AdamW step, and the all-reduce of the
-loss, timed from a barrier (on a third, gloo, group) to its end on each rank, then averaged over
-ranks. The two copies must produce the same losses up to the order in which the backends add
+so that both backends see the same machine load. A step is the example's: forward, backward,
+AdamW step, and the all-reduce of the loss, timed from a barrier (on a third, gloo, group) to
+its end on each rank, then averaged over ranks. The two copies must produce the same losses up to the order in which the backends add
 a gradient's terms (relative difference <= 1e-6, as the test suite holds them); the script
 says so at the end and exits 1 otherwise.
 
