@@ -5,9 +5,9 @@ Every rank builds the example's decoder twice from the same seed, wraps one copy
 "gloo" group (the same ranks), and trains both on the same batches, alternating blocks of steps
 so that both backends see the same machine load. A step is the example's: forward, backward,
 AdamW step, and the all-reduce of the loss, timed from a barrier (on a third, gloo, group) to
-its end on each rank, then averaged over ranks. The two copies must produce the same losses up to the order in which the backends add
-a gradient's terms (relative difference <= 1e-6, as the test suite holds them); the script
-says so at the end and exits 1 otherwise.
+its end on each rank, then averaged over ranks. The two copies must produce the same losses up
+to the order in which the backends add a gradient's terms (relative difference <= 1e-6, as the
+test suite holds them); the script says so at the end and exits 1 otherwise.
 
     tpu-launch --nproc-per-node 4 benchmarks/train_step.py                  # the example's model
     tpu-launch --nproc-per-node 4 benchmarks/train_step.py --wrap ddp
@@ -129,8 +129,8 @@ def main() -> None:
         order.reverse()
         if rank == 0:
             last = {n: statistics.median(t[-args.steps_per_round:]) * 1e3 for n, t in times.items()}
-            print(f"round {r + 1:3d} | " + " | ".join(f"{n} {ms:8.2f} ms" for n, ms in last.items()),
-                  flush=True)
+            cells = " | ".join(f"{n} {ms:8.2f} ms" for n, ms in last.items())
+            print(f"round {r + 1:3d} | {cells}", flush=True)
     # The backends may add a gradient's terms in different orders: ulps, not more (the tests
     # hold tpu and gloo to rtol 1e-6 for the same reason).
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses["tpu"], losses["gloo"]))

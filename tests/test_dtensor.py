@@ -491,7 +491,8 @@ def _planned_meshes_8(rank: int, world_size: int) -> dict:
         flipped = dt.redistribute(mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(0)])
         if not torch.equal(flipped.full_tensor(), full):
             problems.append(f"{placements} -> (R.., S(0)): wrong values")
-        w = distribute_tensor(full.T.contiguous(), mesh, [Replicate()] * (mesh.ndim - 1) + [Shard(1)])
+        column_sharded = [Replicate()] * (mesh.ndim - 1) + [Shard(1)]
+        w = distribute_tensor(full.T.contiguous(), mesh, column_sharded)
         if not torch.equal((dt @ w).full_tensor(), full @ full.T):
             problems.append(f"{placements}: matmul differs")
         return problems
