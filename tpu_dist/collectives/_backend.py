@@ -54,14 +54,7 @@ def _values(tensor: torch.Tensor) -> torch.Tensor:
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16}
 
 #: torch dtype -> the JAX/numpy dtype name a block of it becomes (torch.float32 -> "float32").
-_DTYPE_NAMES = {
-    dtype: str(dtype).removeprefix("torch.")
-    for dtype in (
-        torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64,
-        torch.complex128, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8,
-        torch.bool,
-    )
-}
+_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _checks.SUPPORTED_DTYPES}
 
 
 def _words(tensor: torch.Tensor) -> torch.Tensor:
