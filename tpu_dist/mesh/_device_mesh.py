@@ -225,13 +225,14 @@ def _groups_in_mesh_order(ranks: np.ndarray, mesh_dim_names: Sequence[str] | Non
     """
     import torch.distributed as dist
 
-    me = dist.get_rank()
+    where = [int(i) for i in np.argwhere(ranks == dist.get_rank())[0]]
     world = list(range(dist.get_world_size()))
     names = mesh_dim_names or [f"dim_{axis}" for axis in range(ranks.ndim)]
     mine = []
     for axis in range(ranks.ndim):
-        fibers = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis]).tolist()
-        fiber = next(f for f in fibers if me in f)
+        line = list(where)
+        line[axis] = slice(None)
+        fiber = ranks[tuple(line)].tolist()  # this rank's line of the mesh along ``axis``
         if fiber == world:
             mine.append(dist.group.WORLD)
             continue
