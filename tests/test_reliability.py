@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import World, WorldError
+from tests.launch_worker import free_port
 
 FAST = {"TPU_DIST_HEARTBEAT_TIMEOUT": "4"}
 
@@ -177,3 +178,44 @@ def test_flight_recorder_dump_and_analyzer(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every rank called the same collectives" in out.stdout
+
+
+def _async_work_nobody_waits_on(rank: int, world_size: int) -> dict:
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=2))
+    t = torch.full((1000,), float(rank + 1))
+    work = dist.all_reduce(t, group=group, async_op=True)
+    time.sleep(5)  # past the group's 2 s timeout; nobody calls work.wait()
+    seen = t.tolist()  # read before is_completed(), which would itself complete the work
+    return {"values": sorted(set(seen)), "completed": work.is_completed(), "ok": work.is_success()}
+
+
+def test_unwaited_async_work_completes_in_background_and_never_times_out() -> None:
+    # The watchdog used to keep such a work "in flight" and abort the process after the
+    # group's timeout although its program had long finished.
+    with World(2, backend="tpu", timeout=90) as world:
+        results = world.run(_async_work_nobody_waits_on)
+    for result in results:
+        assert result == {"values": [3.0], "completed": True, "ok": True}, result
+
+
+_EXIT_WITH_WORK_IN_FLIGHT = """
+import os, torch, torch.distributed as dist
+import tpu_dist
+dist.init_process_group("tpu", rank=0, world_size=1)
+small = torch.ones(4096)
+works = [dist.all_reduce(small, async_op=True) for _ in range(64)]
+large = torch.ones(4 << 20)
+futures = [dist.all_reduce(large, async_op=True).get_future() for _ in range(3)]
+print("script done", flush=True)
+"""
+
+
+def test_exit_with_async_work_in_flight_is_clean() -> None:
+    # A helper thread inside XLA when the interpreter finalized used to abort the process
+    # ("FATAL: exception not rethrown", exit code 134); at exit, in-flight works now finish.
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "TPU_DIST_PLATFORM": "cpu"}
+    out = subprocess.run([sys.executable, "-c", _EXIT_WITH_WORK_IN_FLIGHT], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "script done" in out.stdout

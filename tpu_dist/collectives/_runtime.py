@@ -2,7 +2,8 @@
 
 One JAX runtime per process. It starts when the first "tpu" process group is
 created (the default group, since torch creates it first) and lives until the
-interpreter exits or :func:`shutdown` is called by ``destroy_process_group``.
+interpreter exits (``destroy_process_group`` leaves it running: JAX allows one
+distributed initialization per process).
 
 * Start. ``jax.distributed.initialize`` is called with one JAX process per
   torch rank. The coordinator address is exchanged through the group's c10d

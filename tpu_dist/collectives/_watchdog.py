@@ -27,6 +27,7 @@ What happens then is ``TPU_DIST_TIMEOUT_POLICY``:
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -34,11 +35,14 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch.distributed as dist
 
 from tpu_dist.collectives import flight_recorder
+
+if TYPE_CHECKING:
+    from tpu_dist.collectives._work import TPUWork
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,9 @@ def heartbeat_timeout_from_env() -> float:
 class InFlight:
     """A collective the watchdog is watching."""
 
-    work: object
-    """The TPUWork; the watchdog calls its ``_fail(error)``."""
+    work: TPUWork
+    """The watchdog completes it once its program finished (nobody may wait on it) or
+    calls its ``_fail(error)``."""
     group: str
     group_ranks: list[int]
     seq: int
@@ -127,6 +132,27 @@ class Watchdog:
         with self._lock:
             self._in_flight.pop(id(work), None)
 
+    def finish_in_flight(self) -> None:
+        """Complete every collective still in flight; registered with ``atexit``.
+
+        A helper thread that is inside XLA when the interpreter finalizes dies on its way
+        back into Python, and glibc then aborts the process ("FATAL: exception not
+        rethrown", exit code 134). So at exit the main thread first waits for every work
+        in flight (an async_op call nobody waited on, a future's work): the dispatcher
+        thread starts the queued programs meanwhile. A peer that never arrives is this
+        watchdog's to report, as for any wait; once it has failed a collective (raise
+        policy), a program is stuck for good and nothing after it can finish, so this
+        returns.
+        """
+        while not self._fired:
+            with self._lock:
+                items = list(self._in_flight.values())
+            if not items:
+                return
+            for item in items:
+                item.work._complete(flush=False)
+                self.done(item.work)
+
     def _report_failure(self, group: str, seq: int, group_ranks: list[int], wait: float) -> list[int]:
         prefix = f"tpu_dist/failed/{group}/{seq}/"
         self._store.set(f"{prefix}{self.rank}", "1")
@@ -168,6 +194,10 @@ class Watchdog:
             self._watch_ranks = {r for i in old_enough for r in i.group_ranks if r != self.rank}
             for item in old_enough:
                 if id(item.work) in self._fired:
+                    continue
+                # A finished program whose work nobody waits on (async_op=True, never
+                # waited) is not in flight: complete it, do not time it out.
+                if item.work._complete_if_finished():
                     continue
                 message = self._diagnose(item, now)
                 if message is not None:
@@ -280,6 +310,9 @@ def start(store: dist.Store, rank: int, world_size: int) -> Watchdog:
     global _watchdog
     if _watchdog is None:
         _watchdog = Watchdog(store, rank, world_size, policy_from_env(), heartbeat_timeout_from_env())
+        # Registered after jax.distributed.initialize (the runtime starts first), so it runs
+        # before JAX's own exit handlers take the runtime down.
+        atexit.register(_watchdog.finish_in_flight)
     else:
         _watchdog._store = store
     return _watchdog

@@ -11,7 +11,10 @@ The finish step runs exactly once, on whichever thread gets there first:
 * ``work.wait()`` (what every synchronous torch.distributed call does),
 * ``work.is_completed()`` once the arrays are ready,
 * the completion thread, once ``work.get_future()`` has been asked for (DDP
-  comm hooks chain on the future without waiting on the work).
+  comm hooks chain on the future without waiting on the work),
+* the watchdog thread, about a second after the program finished, for a work
+  nobody waits on (as gloo's and NCCL's outputs appear without ``wait()``),
+* the exit handler, for every work still in flight when the interpreter exits.
 
 If the program or the finish step fails, the error is kept and raised by
 every ``wait()``; the output tensors are then left as they were.
@@ -129,8 +132,10 @@ class TPUWork(dist._Work):
         for array in self._pending:
             array.block_until_ready()  # raises the program's own error, if any
 
-    def _complete(self) -> None:
-        if self._before_wait is not None:
+    def _complete(self, *, flush: bool = True) -> None:
+        """Wait for the program and run the finish step once; ``flush=False`` skips
+        ``before_wait`` (dispatching queued point-to-point ops), for helper threads."""
+        if flush and self._before_wait is not None:
             self._before_wait()
         with self._lock:
             if self._done:
@@ -158,6 +163,12 @@ class TPUWork(dist._Work):
             self._on_done(self._error)
         if future is not None:
             self._settle(future)
+
+    def _complete_if_finished(self) -> bool:
+        """Complete the work if its program has finished (never blocks); True once done."""
+        if not self._done and self._finish is not None and self._outputs_ready():
+            self._complete(flush=False)
+        return self._done
 
     def _settle(self, future: torch.futures.Future) -> None:
         if self._error is not None:
