@@ -116,6 +116,8 @@ class _P2PQueue:
             self.pending.append(op)
 
     def flush(self) -> None:
+        if not self.pending:  # every collective calls this; most find nothing queued
+            return
         with self.lock:
             ops, self.pending = self.pending, []
         if not ops:

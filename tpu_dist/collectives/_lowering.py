@@ -281,12 +281,14 @@ def run(
     has moved once they are ready.
     """
     found = program(key, devices)
+    if found.execute is not None:
+        # The executable runs on the blocks' own dtypes: no JAX dtype rules apply, so no
+        # x64 scope either (~1-2 us a call saved).
+        try:
+            return found.execute(list(local_blocks))
+        except TypeError:  # jaxlib changed the private call: the public one from now on
+            found = _programs[key] = _Program(found.compiled, None)
     with _runtime.x64_scope():
-        if found.execute is not None:
-            try:
-                return found.execute(list(local_blocks))
-            except TypeError:  # jaxlib changed the private call: the public one from now on
-                found = _programs[key] = _Program(found.compiled, None)
         _, sharding = mesh_for(devices)
         size = len(devices)
         global_args = [
