@@ -286,6 +286,50 @@ def test_direct_and_public_dispatch_agree(world: World) -> None:
     assert world.run(_both_dispatch_paths) == [[]] * 4
 
 
+def _both_lowerings(rank: int, world_size: int) -> list[str]:
+    """On CPU, small all-reduces and all-gathers run as direct all-to-all exchanges and large
+    ones as XLA's rings; both give the exact results, for lengths that do not divide evenly."""
+    from tpu_dist.collectives import _lowering
+
+    pg = dist.distributed_c10d._get_default_group()
+    small = 1001                                                   # padded to 1004 inside
+    large = _lowering.DIRECT_EXCHANGE_MAX_BYTES // 4 + 5           # float32: over the limit
+    problems = []
+    for numel, direct in ((small, True), (large, False)):
+        key = _lowering.ProgramKey("allreduce", pg._device_ids, ((numel, "float32"),), ("SUM",))
+        if _lowering.exchanges_directly(key, pg._devices) != direct:
+            problems.append(f"{numel} elements: direct exchange should be {direct}")
+        for dtype in (torch.float32, torch.int32, torch.bfloat16):
+            def value(r: int) -> torch.Tensor:  # small integers: exact in every dtype and op
+                return ((torch.arange(numel) % 3) + 1 + (r % 2)).to(dtype)
+
+            everyone = torch.stack([value(r) for r in range(world_size)]).to(torch.float64)
+            ops = {"SUM": everyone.sum(0), "MAX": everyone.amax(0), "PRODUCT": everyone.prod(0)}
+            if dtype.is_floating_point:
+                ops["AVG"] = everyone.mean(0)
+            for op, want in ops.items():
+                t = value(rank)
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                if not torch.equal(t.to(torch.float64), want):
+                    problems.append(f"all_reduce {op} {dtype} x{numel}")
+        gathered = torch.empty(world_size * numel, dtype=torch.int16)
+        dist.all_gather_into_tensor(gathered, torch.full((numel,), rank, dtype=torch.int16))
+        ranks = torch.arange(world_size, dtype=torch.int16)
+        if not torch.equal(gathered, ranks.repeat_interleave(numel)):
+            problems.append(f"all_gather x{numel}")
+        chunk = torch.empty(numel)
+        full = torch.arange(world_size * numel, dtype=torch.float32) + rank
+        dist.reduce_scatter_tensor(chunk, full)
+        want = (torch.arange(numel) + rank * numel) * world_size + sum(range(world_size))
+        if not torch.equal(chunk, want.to(torch.float32)):
+            problems.append(f"reduce_scatter x{numel}")
+    return problems
+
+
+def test_direct_exchanges_and_rings_agree_with_reference(world: World) -> None:
+    assert world.run(_both_lowerings) == [[]] * 4
+
+
 def _zero_copy(rank: int, world_size: int) -> list[str]:
     """Blocks go to JAX without a copy (DLPack), for every dtype a collective sends."""
     from tpu_dist.collectives import _runtime

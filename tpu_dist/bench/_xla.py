@@ -6,12 +6,12 @@ arrays built once (so no DLPack hand-off, no ``make_array_from_single_device_arr
 and no Work per call). ``host overhead = time(c10d call) - time(bare program)``: everything the
 backend adds on the host.
 
-Only public JAX API is used (``jax.jit``, ``jax.shard_map``, ``jax.lax`` collectives,
-``jax.make_array_from_single_device_arrays``). The bodies mirror tpu_dist's own lowering:
-``psum`` for all_reduce, tiled ``all_gather`` / ``psum_scatter`` / ``all_to_all``, broadcast as
-a ``psum`` of the root's block and zeros elsewhere. For send_recv the bare program is one
-``ppermute`` over the whole ring, which is the ideal; the backend runs one two-device program
-per (sender, receiver) pair, so the overhead column also shows what that split costs.
+The program body is the backend's own (``tpu_dist.collectives._lowering.body_for``, so the
+same op lowering, including the direct all-to-all exchanges on CPU), compiled here with public
+JAX API (``jax.jit``, ``jax.shard_map``, ``jax.make_array_from_single_device_arrays``) and
+called the public way. For send_recv the bare program is one ``ppermute`` over the whole ring,
+which is the ideal; the backend runs one two-device program per (sender, receiver) pair, so the
+overhead column also shows what that split costs.
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tpu_dist.collectives._lowering import AXIS, ProgramKey, body_for
+
 __all__ = ["XlaCase", "make_xla_case"]
 
-_AXIS = "x"
+_AXIS = AXIS
 
 _JNP = {
     torch.float32: jnp.float32,
@@ -50,22 +52,26 @@ class XlaCase:
     """Seconds spent lowering and compiling it."""
 
 
-def _body(op: str, n: int) -> Callable[[jax.Array], jax.Array]:
-    if op == "all_reduce":
-        return lambda x: lax.psum(x, _AXIS)
-    if op == "all_gather_into_tensor":
-        return lambda x: lax.all_gather(x, _AXIS, axis=0, tiled=True)
-    if op == "reduce_scatter_tensor":
-        return lambda x: lax.psum_scatter(x, _AXIS, scatter_dimension=0, tiled=True)
-    if op == "all_to_all_single":
-        return lambda x: lax.all_to_all(x.reshape(n, -1), _AXIS, 0, 0, tiled=True).reshape(-1)
-    if op == "broadcast":
-        return lambda x: lax.psum(
-            jnp.where(lax.axis_index(_AXIS) == 0, x, jnp.zeros_like(x)), _AXIS
-        )
+#: benchmark op -> (the backend's program kind, its params)
+_KINDS = {
+    "all_reduce": ("allreduce", ("SUM",)),
+    "all_gather_into_tensor": ("allgather", ()),
+    "reduce_scatter_tensor": ("reduce_scatter", ("SUM",)),
+    "all_to_all_single": ("alltoall", ()),
+    "broadcast": ("broadcast", (0,)),
+}
+
+
+def _body(op: str, devices: list[jax.Device], local: int, dtype: str) -> Callable:
+    n = len(devices)
     if op == "send_recv":
         return lambda x: lax.ppermute(x, _AXIS, perm=[(i, (i + 1) % n) for i in range(n)])
-    raise ValueError(f"unknown op {op!r}")
+    if op not in _KINDS:
+        raise ValueError(f"unknown op {op!r}")
+    kind, params = _KINDS[op]
+    key = ProgramKey(kind, tuple(d.id for d in devices), ((local, dtype),), params)
+    body = body_for(key, devices)
+    return lambda x: body(x)[0]
 
 
 def _local_count(op: str, count: int, n: int) -> int:
@@ -89,8 +95,9 @@ def make_xla_case(
     jdtype = _JNP[dtype]
     block = jax.device_put(jnp.zeros((local,), jdtype), devices[rank])
     x = jax.make_array_from_single_device_arrays((n * local,), sharding, [block])
+    body = _body(op, devices, local, jnp.dtype(jdtype).name)
     mapped = jax.shard_map(
-        _body(op, n), mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS), check_vma=False
+        body, mesh=mesh, in_specs=P(_AXIS), out_specs=P(_AXIS), check_vma=False
     )
     start = time.perf_counter()
     compiled = jax.jit(mapped).lower(x).compile()

@@ -121,11 +121,50 @@ def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
         return None
 
 
+DIRECT_EXCHANGE_MAX_BYTES = 256 * 1024
+"""On CPU, all-reduces and all-gathers of at most this many bytes per rank (summed over a
+call's tensors; all-gather: its output) exchange chunks directly (:func:`exchanges_directly`)."""
+
+
+def exchanges_directly(key: ProgramKey, devices: Sequence[jax.Device]) -> bool:
+    """Whether ``key``'s program is the direct-exchange variant of its op (all-to-alls).
+
+    Only on CPU: TPU collectives ride ICI, where XLA's own algorithms are the ones to use.
+    Measured on CPU (bare programs, benchmarks/README.md, E22):
+
+    * reduce_scatter, every size: XLA:CPU's reduce-scatter copies its input to a temporary
+      and runs gloo's halving-doubling on it; an all-to-all sends each chunk straight to its
+      owner. 16 MiB: 2 ranks 13.6 vs 19.3 ms, 4 ranks 23.6 vs 38.2 ms (gloo 16.7, 36.2).
+    * all_reduce and all_gather up to :data:`DIRECT_EXCHANGE_MAX_BYTES`: a ring takes
+      ``size - 1`` rounds of messages per pass, and on a busy host every round waits for a
+      thread to be scheduled, while an all-to-all posts every message at once. 160 KB
+      all_reduce: 2 ranks 0.70 vs 1.12 ms, 4 ranks 3.2 vs 7.3 ms (gloo 6.5). Large messages
+      are bound by copies, where the ring wins (16 MiB all_reduce, 2 ranks: 23.5 vs 18.6 ms).
+    """
+    if key.kind not in _DIRECT_BODIES or len(devices) < 2 or devices[0].platform != "cpu":
+        return False
+    if key.kind == "reduce_scatter":
+        return True
+    lengths = [length for length, _ in key.blocks]
+    if min(lengths) == 0:
+        return False
+    per_rank = sum(length * jnp.dtype(dtype).itemsize for length, dtype in key.blocks)
+    if key.kind == "allgather":
+        per_rank *= len(devices)
+    return per_rank <= DIRECT_EXCHANGE_MAX_BYTES
+
+
+def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
+    """The per-block function ``key``'s program runs under ``shard_map`` over ``devices``."""
+    bodies = _DIRECT_BODIES if exchanges_directly(key, devices) else _BODIES
+    return bodies[key.kind](len(devices), *key.params)
+
+
 def _compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
     global _compilations
     mesh, sharding = mesh_for(devices)
     size = len(devices)
-    body = _BODIES[key.kind](size, *key.params)
+    body = body_for(key, devices)
     n_args = len(key.blocks)
     mapped = jax.shard_map(
         body,
@@ -195,6 +234,40 @@ def _allreduce(size: int, op: str, factor: float | None = None):
     return body
 
 
+def _exchange(size: int, rows: jax.Array) -> jax.Array:
+    """All-to-all of ``rows`` ([size, k]): row j goes to rank j; row i of the result came
+    from rank i."""
+    return lax.all_to_all(rows, AXIS, 0, 0, tiled=True)
+
+
+def _allreduce_direct(size: int, op: str, factor: float | None = None):
+    # Two all-to-alls: every rank sends chunk j of its block to rank j, which reduces the
+    # chunks it got (in rank order, so every rank ends with the same bits) and sends the
+    # reduced chunk to every rank. The block is padded to a multiple of ``size``; the padding
+    # is reduced only with padding and cut off.
+    def body(*blocks):
+        outs = []
+        for x in blocks:
+            length = x.shape[0]
+            x = jnp.pad(_premul(op, factor, x), (0, -length % size))
+            mine = _finish(op, size, _axis_reduce(op, _exchange(size, x.reshape(size, -1))))
+            everyone = _exchange(size, jnp.broadcast_to(mine, (size, mine.shape[0])))
+            outs.append(everyone.reshape(-1)[:length])
+        return tuple(outs)
+
+    return body
+
+
+def _allgather_direct(size: int):
+    # Every rank sends its whole block to every rank; row i of the result is rank i's block.
+    def body(*blocks):
+        return tuple(
+            _exchange(size, jnp.broadcast_to(x, (size, x.shape[0]))).reshape(-1) for x in blocks
+        )
+
+    return body
+
+
 def _reduce_scatter(size: int, op: str, factor: float | None = None):
     def body(*blocks):
         outs = []
@@ -204,9 +277,22 @@ def _reduce_scatter(size: int, op: str, factor: float | None = None):
                 y = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
             else:
                 # Row j of the all-to-all result is rank j's copy of my chunk.
-                rows = lax.all_to_all(x.reshape(size, -1), AXIS, 0, 0, tiled=True)
-                y = _axis_reduce(op, rows)
+                y = _axis_reduce(op, _exchange(size, x.reshape(size, -1)))
             outs.append(_finish(op, size, y))
+        return tuple(outs)
+
+    return body
+
+
+def _reduce_scatter_direct(size: int, op: str, factor: float | None = None):
+    # An all-to-all and a local reduction for every op: XLA:CPU's reduce-scatter copies its
+    # input to a temporary and runs gloo's halving-doubling on it, while its all-to-all sends
+    # each chunk straight to its owner (the same bytes on the wire).
+    def body(*blocks):
+        outs = []
+        for x in blocks:
+            rows = _exchange(size, _premul(op, factor, x).reshape(size, -1))
+            outs.append(_finish(op, size, _axis_reduce(op, rows)))
         return tuple(outs)
 
     return body
@@ -221,7 +307,7 @@ def _allgather(size: int):
 
 def _alltoall(size: int):
     def body(x):
-        return (lax.all_to_all(x.reshape(size, -1), AXIS, 0, 0, tiled=True).reshape(-1),)
+        return (_exchange(size, x.reshape(size, -1)).reshape(-1),)
 
     return body
 
@@ -236,10 +322,10 @@ def _broadcast(size: int, root: int):
 
 
 def _scatter(size: int, root: int):
+    # Every rank sends its row j to rank j (an all-to-all, as reduce_scatter); each keeps the
+    # row that came from the root. Only the root's input matters, the others pass zeros.
     def body(x):
-        mine = lax.axis_index(AXIS) == root
-        masked = jnp.where(mine, x, jnp.zeros_like(x))
-        return (lax.psum_scatter(masked, AXIS, scatter_dimension=0, tiled=True),)
+        return (_exchange(size, x.reshape(size, -1))[root],)
 
     return body
 
@@ -257,6 +343,12 @@ def _barrier(size: int):
 
     return body
 
+
+_DIRECT_BODIES: dict[str, Callable] = {
+    "allreduce": _allreduce_direct,
+    "allgather": _allgather_direct,
+    "reduce_scatter": _reduce_scatter_direct,
+}
 
 _BODIES: dict[str, Callable] = {
     "allreduce": _allreduce,
