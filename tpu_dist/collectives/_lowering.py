@@ -15,6 +15,10 @@ devices, block sizes, dtypes) and kept; :func:`compile_count` tells how many
 compilations this process has done, so tests can check that a steady loop
 compiles nothing new.
 
+On the CPU platform, reduce-scatters and small all-reduces and all-gathers run as
+all-to-all exchanges instead of XLA's own rings, which are slow there
+(:func:`exchanges_directly`).
+
 Data-movement programs (gather, scatter, broadcast, all-to-all, permute) move
 raw words (int8/16/32 views of any dtype), so they are exact for every dtype
 and share programs across dtypes of one width.
