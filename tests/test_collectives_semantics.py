@@ -288,7 +288,9 @@ def test_direct_and_public_dispatch_agree(world: World) -> None:
 
 def _both_lowerings(rank: int, world_size: int) -> list[str]:
     """On CPU, small all-reduces and all-gathers run as direct all-to-all exchanges and large
-    ones as XLA's rings; both give the exact results, for lengths that do not divide evenly."""
+    ones as XLA's rings; both give the exact results, for lengths that do not divide evenly.
+    reduce_scatter is an exchange at every size on CPU; its XLA lowering (what TPUs run) is
+    checked too, with the choice forced."""
     from tpu_dist.collectives import _lowering
 
     pg = dist.distributed_c10d._get_default_group()
@@ -323,6 +325,19 @@ def _both_lowerings(rank: int, world_size: int) -> list[str]:
         want = (torch.arange(numel) + rank * numel) * world_size + sum(range(world_size))
         if not torch.equal(chunk, want.to(torch.float32)):
             problems.append(f"reduce_scatter x{numel}")
+    chosen = _lowering.exchanges_directly
+    _lowering.exchanges_directly = lambda key, devices: False
+    try:
+        for op in ("SUM", "MAX"):
+            chunk = torch.empty(7)            # a size no other call here compiled
+            dist.reduce_scatter_tensor(chunk, torch.arange(world_size * 7.0) + rank,
+                                       op=getattr(dist.ReduceOp, op))
+            rows = torch.stack([torch.arange(world_size * 7.0) + r for r in range(world_size)])
+            want = (rows.sum(0) if op == "SUM" else rows.amax(0)).view(world_size, 7)[rank]
+            if not torch.equal(chunk, want):
+                problems.append(f"reduce_scatter {op} through XLA's reduce-scatter")
+    finally:
+        _lowering.exchanges_directly = chosen
     return problems
 
 
