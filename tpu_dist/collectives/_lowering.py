@@ -273,15 +273,13 @@ def _allgather_direct(size: int):
 
 
 def _reduce_scatter(size: int, op: str, factor: float | None = None):
+    if op not in ("SUM", "AVG", "PREMUL_SUM"):  # XLA's reduce-scatter only sums
+        return _reduce_scatter_direct(size, op, factor)
+
     def body(*blocks):
         outs = []
         for x in blocks:
-            x = _premul(op, factor, x)
-            if op in ("SUM", "AVG", "PREMUL_SUM"):
-                y = lax.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
-            else:
-                # Row j of the all-to-all result is rank j's copy of my chunk.
-                y = _axis_reduce(op, _exchange(size, x.reshape(size, -1)))
+            y = lax.psum_scatter(_premul(op, factor, x), AXIS, scatter_dimension=0, tiled=True)
             outs.append(_finish(op, size, y))
         return tuple(outs)
 

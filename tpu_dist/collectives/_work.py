@@ -192,8 +192,7 @@ class TPUWork(dist._Work):
         if not self._done:
             if self._before_wait is not None:
                 self._before_wait()
-            if self._finish is not None and self._outputs_ready():
-                self._complete()
+            self._complete_if_finished()
         return self._done
 
     def is_success(self) -> bool:
