@@ -1,7 +1,9 @@
 """tpu_dist: PyTorch's torch.distributed stack on TPU pods, through JAX/XLA collectives.
 
 ``import tpu_dist`` registers the c10d backend "tpu" (see
-:mod:`tpu_dist.collectives`); nothing else in torch is changed. Subpackages:
+:mod:`tpu_dist.collectives`; "tpu_jax" when another package such as TorchTPU holds "tpu");
+nothing else in torch is changed, unless ``TPU_DIST_DEFAULT_FOR_CPU=1`` asks to make it torch's
+default backend for CPU tensors (:func:`tpu_dist.collectives.make_default_for_cpu`). Subpackages:
 
 * :mod:`tpu_dist.collectives` - the "tpu" process group.
 * :mod:`tpu_dist.mesh` - TPU topologies and topology-aware device meshes.
@@ -16,6 +18,7 @@ from tpu_dist.collectives import register_backend
 __version__ = "0.1.0"
 
 BACKEND = register_backend()
-"""The name the backend is registered under ("tpu" unless TPU_DIST_BACKEND_NAME is set)."""
+"""The name the backend is registered under ("tpu" unless TPU_DIST_BACKEND_NAME is set, "tpu_jax"
+when the name was taken; see :func:`tpu_dist.collectives.registered_name`)."""
 
 __all__ = ["BACKEND", "__version__"]

@@ -9,7 +9,13 @@ across slices over DCN, on CPU over XLA's CPU collectives.
 Public names:
 
 * :class:`ProcessGroupTPU` - the process group class torch creates.
-* :func:`register_backend` - what ``import tpu_dist`` calls (idempotent).
+* :func:`register_backend` - what ``import tpu_dist`` calls (idempotent); it registers under
+  ``"tpu_jax"`` (:data:`FALLBACK_BACKEND_NAME`) when another package (TorchTPU) holds ``"tpu"``.
+* :func:`registered_name` - the name to pass to ``init_process_group``.
+* :func:`make_default_for_cpu` - opt in: tpu_dist becomes torch's default backend for CPU
+  tensors (also ``TPU_DIST_DEFAULT_FOR_CPU=1`` at import).
+* :func:`set_timeout` - change a group's timeout for later collectives (torch's
+  ``_set_pg_timeout`` reaches only gloo and NCCL).
 * :func:`global_devices` - the JAX device of each global rank.
 * :func:`compile_count` - how many collective programs this process compiled.
 """
@@ -19,7 +25,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from tpu_dist.collectives._registry import register_backend, registered_name
+from tpu_dist.collectives._registry import (
+    DEFAULT_FOR_CPU_ENV,
+    FALLBACK_BACKEND_NAME,
+    make_default_for_cpu,
+    register_backend,
+    registered_name,
+)
+from tpu_dist.collectives._timeout import set_timeout
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._backend import ProcessGroupTPU
@@ -40,9 +53,13 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'tpu_dist.collectives' has no attribute {name!r}")
 
 __all__ = [
+    "DEFAULT_FOR_CPU_ENV",
+    "FALLBACK_BACKEND_NAME",
     "ProcessGroupTPU",
     "compile_count",
     "global_devices",
+    "make_default_for_cpu",
     "register_backend",
     "registered_name",
+    "set_timeout",
 ]

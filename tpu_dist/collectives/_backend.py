@@ -282,6 +282,15 @@ class ProcessGroupTPU(dist.ProcessGroup):
         """Global rank of each group rank."""
         return list(self._global_ranks)
 
+    @property
+    def timeout(self) -> timedelta:
+        """The watchdog's deadline for each of this group's collectives issued from now on."""
+        return self._timeout
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        """What torch's backends call this; see :func:`tpu_dist.collectives.set_timeout`."""
+        self._timeout = timeout
+
     # -- the common path ------------------------------------------------------
 
     def _launch(

@@ -1,7 +1,18 @@
-"""Registering the backend with torch.distributed, once per process."""
+"""Registering the backend with torch.distributed, once per process.
+
+Three knobs, each declared once here:
+
+* ``TPU_DIST_BACKEND_NAME`` (default ``"tpu"``): the name to register under.
+* the fallback name :data:`FALLBACK_BACKEND_NAME` (``"tpu_jax"``), used when the name is taken
+  by another package. TorchTPU registers ``"tpu"`` and ``"tpu_dist"`` for its own ``"tpu"``
+  device; ``"tpu_jax"`` is a name it does not use.
+* ``TPU_DIST_DEFAULT_FOR_CPU`` (default off): make tpu_dist torch's default backend for CPU
+  tensors (:func:`make_default_for_cpu`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -11,10 +22,43 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAME_ENV = "TPU_DIST_BACKEND_NAME"
-DEFAULT_BACKEND_NAME = "tpu"
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _EnvKnob:
+    """One environment variable: its name, default and meaning, declared once."""
+
+    env: str
+    default: str
+    help: str
+
+
+_BACKEND_NAME = _EnvKnob(
+    env="TPU_DIST_BACKEND_NAME",
+    default="tpu",
+    help="The torch.distributed backend name tpu_dist registers under. When it is taken by "
+    "another package, tpu_dist registers under 'tpu_jax' instead and warns.",
+)
+_DEFAULT_FOR_CPU = _EnvKnob(
+    env="TPU_DIST_DEFAULT_FOR_CPU",
+    default="0",
+    help="1: at import, make tpu_dist torch's default backend for CPU tensors (what "
+    "init_process_group() without a backend and get_default_backend_for_device('cpu') use). "
+    "0 (default): gloo stays the default.",
+)
+
+BACKEND_NAME_ENV = _BACKEND_NAME.env
+"""``"TPU_DIST_BACKEND_NAME"``."""
+DEFAULT_FOR_CPU_ENV = _DEFAULT_FOR_CPU.env
+"""``"TPU_DIST_DEFAULT_FOR_CPU"``."""
+DEFAULT_BACKEND_NAME = _BACKEND_NAME.default
+FALLBACK_BACKEND_NAME = "tpu_jax"
+"""The name tpu_dist registers under when its own name is taken (by TorchTPU, for instance)."""
+
+_BUILTIN = (dist.Backend.GLOO, dist.Backend.NCCL, dist.Backend.MPI, "ucc", "xccl", "fake",
+            "undefined")
 
 _registered_name: str | None = None
+_warned = False
 
 
 def _create_process_group(
@@ -46,44 +90,151 @@ def _create_process_group(
     return ProcessGroupTPU(rank, size, global_ranks, dist_opts.timeout)
 
 
-def register_backend() -> str:
-    """Register tpu_dist's process group with torch.distributed; returns its name.
+def _owner(name: str) -> str | None:
+    """Who holds backend ``name``: None (free), "tpu_dist", "torch itself" or a module name."""
+    if name in _BUILTIN:
+        return "torch itself"
+    plugin = dist.Backend._plugins.get(name.upper())
+    if plugin is None:
+        return None
+    if plugin.creator_fn is _create_process_group:
+        return "tpu_dist"
+    return getattr(plugin.creator_fn, "__module__", None) or "another package"
 
-    The name is "tpu", or ``TPU_DIST_BACKEND_NAME`` when set. Calling it again
-    is a no-op. If another package already registered the name (TorchTPU
-    registers "tpu" for its own device), tpu_dist does not replace it: it
-    warns and stays unregistered; set ``TPU_DIST_BACKEND_NAME`` (e.g.
-    ``tpu_dist``) and pass that name to ``init_process_group``.
-    """
-    global _registered_name
-    if _registered_name is not None:
-        return _registered_name
-    name = os.environ.get(BACKEND_NAME_ENV, DEFAULT_BACKEND_NAME).strip().lower()
+
+def _name_from_env() -> str:
+    name = os.environ.get(_BACKEND_NAME.env, _BACKEND_NAME.default).strip().lower()
     if not name.isidentifier():
         raise ValueError(
-            f"{BACKEND_NAME_ENV}={name!r} is not a usable backend name; use a short "
-            "identifier such as 'tpu_dist'."
+            f"{_BACKEND_NAME.env}={name!r} is not a usable backend name; use a short "
+            f"identifier such as {FALLBACK_BACKEND_NAME!r}."
         )
-    existing = dist.Backend._plugins.get(name.upper())
-    builtin = name in (dist.Backend.GLOO, dist.Backend.NCCL, dist.Backend.MPI, "ucc", "xccl")
-    if builtin or (existing is not None and existing.creator_fn is not _create_process_group):
-        owner = "torch itself" if builtin else getattr(existing.creator_fn, "__module__", "?")
-        warnings.warn(
-            f"tpu_dist: the torch.distributed backend name {name!r} is already "
-            f"registered by {owner}; tpu_dist did not replace it. Set "
-            f"{BACKEND_NAME_ENV}=tpu_dist (or another free name) before importing "
-            "tpu_dist and pass that name to init_process_group.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return ""
-    dist.Backend.register_backend(
-        name, _create_process_group, extended_api=True, devices=["cpu"]
-    )
-    _registered_name = name
     return name
 
 
+def register_backend() -> str:
+    """Register tpu_dist's process group with torch.distributed; returns its name.
+
+    Called by ``import tpu_dist`` in every process; calling it again is a no-op. The name is
+    ``TPU_DIST_BACKEND_NAME`` (default ``"tpu"``). When another package already registered
+    that name (TorchTPU registers ``"tpu"`` and ``"tpu_dist"`` for its own device when it
+    loads inside ``import torch`` on a TPU host), tpu_dist does not replace it: it registers
+    under :data:`FALLBACK_BACKEND_NAME` (``"tpu_jax"``) and warns once, naming it. Pass
+    :func:`registered_name` to ``init_process_group``. Returns ``""`` only if the fallback is
+    taken too (with a warning). With ``TPU_DIST_DEFAULT_FOR_CPU=1`` it then calls
+    :func:`make_default_for_cpu`.
+
+    Raises:
+        ValueError: ``TPU_DIST_BACKEND_NAME`` or ``TPU_DIST_DEFAULT_FOR_CPU`` is malformed.
+    """
+    global _registered_name, _warned
+    if _registered_name is not None:
+        return _registered_name
+    wanted = _name_from_env()
+    default_for_cpu = default_for_cpu_from_env()
+    chosen = None
+    for name in dict.fromkeys((wanted, FALLBACK_BACKEND_NAME)):
+        if _owner(name) in (None, "tpu_dist"):
+            chosen = name
+            break
+    if chosen != wanted and not _warned:
+        _warned = True
+        owner = _owner(wanted)
+        if chosen is None:
+            what = (
+                f"{FALLBACK_BACKEND_NAME!r} is taken too ({_owner(FALLBACK_BACKEND_NAME)}), so "
+                f"tpu_dist is not registered: set {_BACKEND_NAME.env} to a free name before "
+                "importing tpu_dist"
+            )
+        else:
+            what = (
+                f"tpu_dist registered as {chosen!r} instead: use "
+                f"init_process_group({chosen!r}) (or tpu_dist.collectives.registered_name()) "
+                f"for tpu_dist's groups, or 'cpu:{chosen},tpu:{wanted}' to combine both"
+            )
+        warnings.warn(
+            f"tpu_dist: the torch.distributed backend name {wanted!r} is already registered "
+            f"by {owner}; tpu_dist did not replace it. {what}.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if chosen is None:
+        return ""
+    dist.Backend.register_backend(
+        chosen, _create_process_group, extended_api=True, devices=["cpu"]
+    )
+    _registered_name = chosen
+    if default_for_cpu:
+        make_default_for_cpu()
+    return chosen
+
+
 def registered_name() -> str | None:
-    """The name tpu_dist's backend is registered under, or None."""
+    """The name tpu_dist's backend is registered under (pass it to ``init_process_group``).
+
+    ``"tpu"``, ``TPU_DIST_BACKEND_NAME``, or ``"tpu_jax"`` when the name was taken; None if
+    tpu_dist is not registered.
+
+    Raises:
+        RuntimeError: another package registered a backend under the same name after
+            tpu_dist (torch lets the last registration win), so ``init_process_group`` with
+            that name would create the other package's group.
+    """
+    if _registered_name is not None and _owner(_registered_name) != "tpu_dist":
+        raise RuntimeError(
+            f"tpu_dist: the backend name {_registered_name!r} was registered by "
+            f"{_owner(_registered_name)} after tpu_dist registered it, and torch now creates "
+            f"that package's groups for {_registered_name!r}. Import tpu_dist after it (tpu_dist "
+            f"then registers as {FALLBACK_BACKEND_NAME!r}), or set "
+            f"{_BACKEND_NAME.env}={FALLBACK_BACKEND_NAME} before importing tpu_dist."
+        )
     return _registered_name
+
+
+def default_for_cpu_from_env() -> bool:
+    """``TPU_DIST_DEFAULT_FOR_CPU``: ``1``/``true``/``yes`` or ``0``/``false``/``no`` (default)."""
+    raw = os.environ.get(_DEFAULT_FOR_CPU.env, _DEFAULT_FOR_CPU.default).strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{_DEFAULT_FOR_CPU.env}={raw!r}: use 1 (on) or 0 (off, the default).")
+
+
+def make_default_for_cpu() -> str:
+    """Make tpu_dist torch's default backend for CPU tensors in this process; returns its name.
+
+    Sets ``torch.distributed.Backend.default_device_backend_map["cpu"]`` (the table torch
+    reads to pick a backend for a device type) to tpu_dist's registered name, and logs that it
+    did. Then, in this process:
+
+    * ``init_process_group()`` with no backend creates a tpu_dist group on a machine whose
+      accelerator is the CPU (``get_backend()`` then says ``"undefined"``, as it does for gloo
+      there; ``get_backend_config()`` says ``"cpu:tpu"``);
+    * ``get_default_backend_for_device("cpu")`` and the map itself give the name, so code that
+      builds ``init_process_group(backend=...)`` from them (``"tpu"``, ``"cpu:tpu"``) gets
+      tpu_dist, and ``get_backend()`` says so.
+
+    Off unless called (or ``TPU_DIST_DEFAULT_FOR_CPU=1`` at ``import tpu_dist``; ``tpu-launch
+    --default-for-cpu`` sets it for its workers). Every rank should do the same. Call it before
+    ``init_process_group``.
+
+    Raises:
+        RuntimeError: tpu_dist is not registered (see :func:`register_backend`).
+    """
+    name = registered_name()
+    if not name:
+        raise RuntimeError(
+            "tpu_dist: cannot make tpu_dist the default backend for CPU tensors: it is not "
+            f"registered (its name and {FALLBACK_BACKEND_NAME!r} are taken); set "
+            f"{_BACKEND_NAME.env} to a free name before importing tpu_dist."
+        )
+    previous = dist.Backend.default_device_backend_map.get("cpu")
+    if previous != name:
+        dist.Backend.default_device_backend_map["cpu"] = name
+        logger.warning(
+            "tpu_dist: set torch.distributed.Backend.default_device_backend_map['cpu'] = %r "
+            "(was %r): groups created without a backend now use tpu_dist.", name, previous
+        )
+    return name
+
