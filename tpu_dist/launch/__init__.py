@@ -89,6 +89,8 @@ From tpu-launch:
 ``OMP_NUM_THREADS``                 1 with several workers per host (as torchrun)
 ``GLIBC_TUNABLES``                  ``glibc.malloc.hugetlb=1`` for CPU workers: large buffers on
                                     transparent huge pages (~1/3 off a 64 MiB all_reduce)
+``TPU_DIST_DEFAULT_FOR_CPU``        ``1`` with ``--default-for-cpu``: tpu_dist is torch's default
+                                    backend for CPU tensors (``init_process_group()`` unnamed)
 =================================  ===========================================================
 
 The TPU variables are set only with one worker per chip; with ``--nproc-per-node 1`` the single

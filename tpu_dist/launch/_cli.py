@@ -18,6 +18,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tpu_dist.collectives import DEFAULT_FOR_CPU_ENV
+
 __all__ = ["TPU_KNOBS", "Knob", "build_parser", "main", "parse_args"]
 
 
@@ -48,6 +50,13 @@ def _port(text: str) -> int:
     return value
 
 
+def _runtime(text: str) -> str:
+    value = text.strip().lower()
+    if value not in ("auto", "tpu_dist", "torchtpu"):
+        raise ValueError(f"must be auto, tpu_dist or torchtpu, got {text!r}")
+    return value
+
+
 TPU_KNOBS: tuple[Knob, ...] = (
     Knob(
         flags=("--emulate",),
@@ -69,6 +78,19 @@ TPU_KNOBS: tuple[Knob, ...] = (
         default=None,
         metavar="N",
         help="Slices in the job (multislice). Default: MEGASCALE_NUM_SLICES, else 1.",
+    ),
+    Knob(
+        flags=("--runtime",),
+        dest="runtime",
+        env="TPU_DIST_LAUNCH_RUNTIME",
+        type=_runtime,
+        default="auto",
+        metavar="{auto,tpu_dist,torchtpu}",
+        help="Which TPU runtime the workers use. torchtpu: TorchTPU (torch-tpu), whose workers "
+        "get TORCH_TPU_SLICEBUILDER_ADDRESSES, TORCH_TPU_TOPOLOGY and TORCH_TPU_DEVICES_PER_HOST, "
+        "one worker per TPU device (per TensorCore on TPU7x). tpu_dist: tpu_dist's JAX runtime "
+        "(TPU_PROCESS_* variables). auto: torchtpu on a TPU host where torch_tpu is installed, "
+        "else tpu_dist.",
     ),
     Knob(
         flags=("--tpu-base-port", "--tpu_base_port"),
@@ -178,6 +200,23 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "would get, then exit without starting anything.",
     )
     group.add_argument(
+        "--plan-json",
+        "--plan_json",
+        metavar="FILE",
+        default=None,
+        help="Write the resolved launch as JSON to FILE ('-' for stdout): every node and "
+        "worker with every variable tpu-launch sets for it (see tpu_dist.launch._plan). With "
+        "--dry-run nothing is started.",
+    )
+    group.add_argument(
+        "--default-for-cpu",
+        "--default_for_cpu",
+        action="store_true",
+        help=f"Workers get {DEFAULT_FOR_CPU_ENV}=1: tpu_dist becomes torch's default backend for "
+        "CPU tensors in them, for programs (training frameworks) that call init_process_group() "
+        "without naming a backend.",
+    )
+    group.add_argument(
         "--skip-preflight",
         "--skip_preflight",
         action="store_true",
@@ -208,6 +247,23 @@ def _setup_logging() -> None:
         logger.propagate = False
 
 
+def _write_plan(spec: Any, environ: Mapping[str, str]) -> None:
+    import json
+
+    from tpu_dist.launch._plan import launch_plan
+
+    text = json.dumps(launch_plan(spec, environ), indent=2) + "\n"
+    if spec.plan_json == "-":
+        sys.stdout.write(text)
+        return
+    try:
+        with open(spec.plan_json, "w") as f:
+            f.write(text)
+    except OSError as err:
+        sys.stderr.write(f"tpu-launch: error: cannot write --plan-json {spec.plan_json}: {err}\n")
+        sys.exit(2)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``tpu-launch``: parse, discover, resolve, check, then launch (or print, with --dry-run).
 
@@ -233,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         problems = [Problem("warning", n) for n in (*spec.notes, *worker_env.notes)]
     errors = [p for p in problems if p.severity == "error"]
+    if spec.plan_json:
+        _write_plan(spec, environ)
+    if spec.dry_run and spec.plan_json == "-":
+        sys.exit(2 if errors else 0)
     if spec.dry_run:
         sys.stdout.write(format_dry_run(spec, environ, problems))
         sys.exit(2 if errors else 0)

@@ -21,9 +21,10 @@ from typing import Literal
 from tpu_dist.launch._chips import SliceShape, parse_slice
 from tpu_dist.launch._discovery import Discovery, read_platform
 
-__all__ = ["DEFAULT_MASTER_PORT", "Entrypoint", "LaunchSpec", "Mode", "resolve"]
+__all__ = ["DEFAULT_MASTER_PORT", "Entrypoint", "LaunchSpec", "Mode", "Runtime", "resolve"]
 
 Mode = Literal["tpu", "emulate", "cpu"]
+Runtime = Literal["tpu_dist", "torchtpu"]
 EntryKind = Literal["python", "module", "exec", "run_path"]
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_TPU_BASE_PORT = 8476
@@ -61,6 +62,9 @@ class LaunchSpec:
     CPU workers (no TPU and no ``--emulate``)."""
     slice: SliceShape | None
     """The slice: emulated, or the discovered accelerator type; ``None`` when unknown."""
+    runtime: Runtime = "tpu_dist"
+    """The workers' TPU runtime: ``tpu_dist`` (JAX; ``TPU_PROCESS_*`` variables) or
+    ``torchtpu`` (TorchTPU; ``TORCH_TPU_*`` variables, one worker per TPU device)."""
     topology: str | None
     """``TPU_DIST_TOPOLOGY`` for the workers (emulation only)."""
     num_slices: int
@@ -93,6 +97,10 @@ class LaunchSpec:
     tpu_base_port: int
     """First of this host's ``TPU_PROCESS_PORT`` values (one port per local worker)."""
     entry: Entrypoint
+    plan_json: str | None = None
+    """``--plan-json``: where to write the resolved launch as JSON (``-``: stdout)."""
+    default_for_cpu: bool = False
+    """``--default-for-cpu``: workers make tpu_dist torch's default backend for CPU tensors."""
     dry_run: bool = False
     preflight: bool = True
     provenance: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -128,8 +136,18 @@ class LaunchSpec:
 
     @property
     def one_chip_per_process(self) -> bool:
-        """TPU mode with one worker per local chip: the TPU runtime variables are set."""
-        return self.mode == "tpu" and (self.nproc_per_node > 1 or self._host_chips() == 1)
+        """TPU mode, tpu_dist runtime, one worker per local chip: the TPU_PROCESS_* variables
+        are set."""
+        return (
+            self.mode == "tpu"
+            and self.runtime == "tpu_dist"
+            and (self.nproc_per_node > 1 or self._host_chips() == 1)
+        )
+
+    @property
+    def hosts_per_slice(self) -> int:
+        """Hosts in one slice (the topology's, else the node count over the slices)."""
+        return max(1, (self.expected_nodes or self.max_nodes) // self.num_slices)
 
     def _host_chips(self) -> int | None:
         return self.slice.chips_per_host if self.slice else None
@@ -186,6 +204,28 @@ def _tpu_slice(discovery: Discovery, notes: list[str]) -> SliceShape | None:
     return None
 
 
+def _runtime(
+    args: argparse.Namespace, discovery: Discovery, mode: Mode, prov: dict[str, str]
+) -> Runtime:
+    """``--runtime``: explicit, else TorchTPU on a TPU host where ``torch_tpu`` is installed."""
+    choice = getattr(args, "runtime", None) or "auto"
+    if choice == "auto":
+        if mode == "tpu" and discovery.torch_tpu:
+            prov["runtime"] = "auto: a TPU host with torch_tpu installed"
+            return "torchtpu"
+        prov["runtime"] = "auto"
+        return "tpu_dist"
+    prov["runtime"] = getattr(args, "runtime_source", None) or "--runtime"
+    if choice == "torchtpu" and mode != "tpu":
+        raise ValueError(
+            f"--runtime torchtpu needs a TPU host, but this launch is in {mode} mode: TorchTPU "
+            "has no CPU emulation. Drop --emulate (or --runtime), or plan a TPU host's launch "
+            "without one with TPU_DIST_PLATFORM=tpu and TPU_ACCELERATOR_TYPE, "
+            "TPU_WORKER_HOSTNAMES, TPU_WORKER_ID"
+        )
+    return choice  # type: ignore[return-value]
+
+
 def resolve(
     args: argparse.Namespace,
     discovery: Discovery,
@@ -224,6 +264,8 @@ def resolve(
     else:
         mode = "cpu"
         slice_shape = None
+
+    runtime = _runtime(args, discovery, mode, prov)
 
     if args.num_slices is not None:
         num_slices = args.num_slices
@@ -268,6 +310,12 @@ def resolve(
 
             nproc = determine_local_world_size(str(nproc_text))
         prov["nproc_per_node"] = _flag_label("--nproc-per-node", "nproc_per_node", env)
+    elif mode == "tpu" and runtime == "torchtpu" and slice_shape is not None:
+        nproc = slice_shape.chips_per_host * slice_shape.devices_per_chip
+        prov["nproc_per_node"] = (
+            f"one per TPU device of a {slice_shape.name} host (TorchTPU: "
+            f"{slice_shape.devices_per_chip} per chip)"
+        )
     elif mode == "tpu":
         if discovery.local_chips:
             nproc = discovery.local_chips
@@ -304,7 +352,20 @@ def resolve(
                 f"runs one worker per device: drop --nproc-per-node or make nnodes x nproc = "
                 f"{total}"
             )
-    if mode == "tpu":
+    if mode == "tpu" and runtime == "torchtpu":
+        if slice_shape is None:
+            raise ValueError(
+                "--runtime torchtpu needs the slice's topology (TORCH_TPU_TOPOLOGY), but the "
+                "accelerator type is unknown: set TPU_ACCELERATOR_TYPE (e.g. v5p-16) or "
+                "TPU_TOPOLOGY"
+            )
+        per_host = slice_shape.chips_per_host * slice_shape.devices_per_chip
+        if nproc != per_host:
+            raise ValueError(
+                f"TorchTPU runs one worker per TPU device: a {slice_shape.name} host has "
+                f"{per_host}, so --nproc-per-node must be {per_host} (or left out), got {nproc}"
+            )
+    elif mode == "tpu":
         host_chips = discovery.local_chips or (slice_shape.chips_per_host if slice_shape else None)
         if host_chips and nproc not in (1, host_chips):
             raise ValueError(
@@ -404,6 +465,7 @@ def resolve(
     return LaunchSpec(
         mode=mode,
         slice=slice_shape,
+        runtime=runtime,
         topology=topology,
         num_slices=num_slices,
         slice_id=slice_id,
@@ -424,6 +486,8 @@ def resolve(
         platform=platform,
         tpu_base_port=args.tpu_base_port,
         entry=_entrypoint(args, env),
+        plan_json=getattr(args, "plan_json", None),
+        default_for_cpu=getattr(args, "default_for_cpu", False),
         dry_run=args.dry_run,
         preflight=not args.skip_preflight,
         provenance=prov,

@@ -29,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import glob
+import importlib.util
 import os
 import urllib.error
 import urllib.request
@@ -109,6 +110,8 @@ class Discovery:
     """This host's slice."""
     coordinator_address: str | None = None
     """``MEGASCALE_COORDINATOR_ADDRESS``: the host of process 0 in a multislice job."""
+    torch_tpu: bool = False
+    """TorchTPU (the ``torch_tpu`` package) is installed: found on the path, not imported."""
     provenance: Mapping[str, str] = dataclasses.field(default_factory=dict)
     """Field name -> where its value came from (for ``--dry-run`` and error messages)."""
 
@@ -356,9 +359,11 @@ def discover(
                 provenance[field] = where
     if local_chips:
         provenance["local_chips"] = f"PCI scan of {sysfs_root}"
+    torch_tpu = importlib.util.find_spec("torch_tpu") is not None
     return Discovery(
         on_tpu=on_tpu,
         local_chips=local_chips or None,
+        torch_tpu=torch_tpu,
         provenance=provenance,
         **fields,
     )

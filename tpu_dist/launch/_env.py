@@ -9,7 +9,10 @@ Three layers, applied in this order:
 2. **Shared** variables (:attr:`WorkerEnv.shared`), the same for every local worker, exported by
    the launcher: ``TPU_DIST_PLATFORM``, ``TPU_DIST_TOPOLOGY``, ``TPU_DIST_NUM_SLICES``
    (emulation), ``TPU_PROCESS_BOUNDS``, ``TPU_CHIPS_PER_PROCESS_BOUNDS``,
-   ``TPU_PROCESS_ADDRESSES`` (TPU), ``OMP_NUM_THREADS``, ``GLIBC_TUNABLES`` (CPU workers).
+   ``TPU_PROCESS_ADDRESSES`` (TPU), ``OMP_NUM_THREADS``, ``GLIBC_TUNABLES`` (CPU workers),
+   ``TPU_DIST_DEFAULT_FOR_CPU`` (``--default-for-cpu``); with ``--runtime torchtpu``, instead
+   of the ``TPU_PROCESS_*`` ones, TorchTPU's ``TORCH_TPU_*`` (and ``MEGASCALE_*``) variables
+   (:mod:`._torchtpu`).
 3. **Per-worker** variables (:attr:`WorkerEnv.per_rank`), set by the worker entry
    (:mod:`._worker`) from ``LOCAL_RANK`` before the user's program starts:
    ``TPU_VISIBLE_CHIPS``, ``TPU_PROCESS_PORT``, ``CLOUD_TPU_TASK_ID``.
@@ -33,7 +36,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from tpu_dist.collectives import DEFAULT_FOR_CPU_ENV
 from tpu_dist.launch._config import LaunchSpec
+from tpu_dist.launch._torchtpu import torchtpu_vars
 
 __all__ = ["ELASTIC_VARS", "HUGE_PAGES_TUNABLE", "WorkerEnv", "compute_worker_env", "elastic_vars"]
 
@@ -155,6 +160,10 @@ def compute_worker_env(
             worker_id = node_rank % hosts_per_slice
         tpu_shared, per_rank = _tpu_vars(spec, worker_id, notes)
         shared.update(tpu_shared)
+    if spec.mode == "tpu" and spec.runtime == "torchtpu":
+        shared.update(torchtpu_vars(spec, node_rank, environ, notes))
+    if spec.default_for_cpu:
+        shared[DEFAULT_FOR_CPU_ENV] = "1"
     if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
         shared["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers do not oversubscribe
     if spec.platform == "cpu" and "GLIBC_TUNABLES" not in environ:

@@ -81,6 +81,8 @@ def format_dry_run(
         row("mode", f"tpu: {what} [{prov.get('topology', 'discovery')}]")
     else:
         row("mode", "cpu: plain CPU workers (no TPU found, no --emulate)")
+    if spec.mode == "tpu":
+        row("runtime", f"{spec.runtime} [{prov.get('runtime')}]")
     row("slices", f"{spec.num_slices} [{prov.get('num_slices')}]")
     nodes = (
         f"{spec.min_nodes}:{spec.max_nodes}"
