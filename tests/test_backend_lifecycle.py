@@ -46,12 +46,12 @@ def test_existing_tpu_registration_is_not_replaced() -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import tpu_dist
-        assert tpu_dist.BACKEND == ""
+        assert tpu_dist.BACKEND == "tpu_jax"   # the documented fallback name
         assert dist.Backend._plugins["TPU"].creator_fn is other_creator
         print([str(w.message) for w in caught if "tpu_dist" in str(w.message)][0])
     """)
     assert proc.returncode == 0, proc.stderr
-    assert "already registered" in proc.stdout and "TPU_DIST_BACKEND_NAME" in proc.stdout
+    assert "already registered" in proc.stdout and "registered as 'tpu_jax'" in proc.stdout
 
 
 def test_backend_name_from_env() -> None:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _checks, _lowering, _runtime, _watchdog, flight_recorder
+from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._lowering import ProgramKey
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
 
@@ -225,7 +226,8 @@ def _track(
         on_done(work._error)
 
 
-class ProcessGroupTPU(dist.ProcessGroup):
+@route_other_devices
+class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     """The "tpu" process group: c10d collectives as XLA collective programs.
 
     Created by ``torch.distributed`` (``init_process_group("tpu")``,
@@ -239,8 +241,11 @@ class ProcessGroupTPU(dist.ProcessGroup):
         size: int,
         global_ranks: Sequence[int],
         timeout: timedelta,
+        store: dist.Store | None = None,
     ) -> None:
         super().__init__(rank, size)
+        self._store = store
+        self._delegates = {}  # device type -> the backend for its tensors (see _delegate)
         devices = _runtime.global_devices()
         self._global_ranks = list(global_ranks)
         self._devices = [devices[r] for r in self._global_ranks]

@@ -87,7 +87,7 @@ def _create_process_group(
             "(init_process_group('tpu')); got a subgroup of global ranks "
             f"{global_ranks}."
         )
-    return ProcessGroupTPU(rank, size, global_ranks, dist_opts.timeout)
+    return ProcessGroupTPU(rank, size, global_ranks, dist_opts.timeout, dist_opts.store)
 
 
 def _owner(name: str) -> str | None:

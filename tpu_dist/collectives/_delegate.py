@@ -1,0 +1,137 @@
+"""Other devices' backends inside a tpu_dist group: ``init_process_group("cpu:tpu,tpu:tpu_dist")``.
+
+torch's per-device backend syntax (``"<device>:<backend>,..."``) builds one process group with a
+backend per device type. But when a backend's creator returns a Python ``ProcessGroup`` (as
+tpu_dist's must, torch 2.13 offers no Python ``Backend`` base), torch 2.13 makes that object the
+whole group and stops creating the others (``_new_process_group_helper``: "If the type is a
+subclass of ProcessGroup then return this process group immediately"). Measured: with
+``"cpu:tpu_jax,tpu:tpu"`` the "tpu" backend is never created, with ``"tpu:tpu,cpu:tpu_jax"`` it is
+created and dropped.
+
+So a tpu_dist group creates the other devices' backends itself, the first time a collective gets
+tensors of that device type (every rank makes the same calls, so every rank creates it at the
+same point): the backend named for the device in the group's backend config
+(``torch.distributed.get_backend_config(group)``), built by its registered creator (or gloo's
+constructor) on a store of its own, and registered on the group
+(``group._get_backend(torch.device(type))`` then returns it). The collective, and every later one
+with tensors of that device type, goes to that backend unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# tpu_dist's method (what torch's trampoline calls) -> the same collective on a c10d Backend.
+_METHODS = {
+    "allreduce": "allreduce",
+    "allreduce_coalesced": "allreduce_coalesced",
+    "reduce": "reduce",
+    "allgather": "allgather",
+    "all_gather_single": "_allgather_base",
+    "gather": "gather",
+    "reduce_scatter": "reduce_scatter",
+    "reduce_scatter_single": "_reduce_scatter_base",
+    "broadcast": "broadcast",
+    "scatter": "scatter",
+    "all_to_all_single": "alltoall_base",
+    "alltoall": "alltoall",
+    "send": "send",
+    "recv": "recv",
+}
+
+
+def _device_type(args: tuple) -> str | None:
+    """The device type of the first tensor among the call's arguments (lists are searched)."""
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            return arg.device.type
+        if isinstance(arg, (list, tuple)):
+            found = _device_type(tuple(arg))
+            if found is not None:
+                return found
+    return None
+
+
+def _backend_name(config: str, device_type: str) -> str | None:
+    """The backend ``config`` (``"cpu:tpu_jax,tpu:tpu"``) names for ``device_type``."""
+    for part in config.split(","):
+        device, _, name = part.strip().partition(":")
+        if name and device.strip() == device_type:
+            return name.strip().lower()
+    return None
+
+
+def create_backend(
+    name: str, store: dist.Store, rank: int, size: int, timeout: timedelta, global_ranks: list[int]
+) -> Any:
+    """Build backend ``name`` as torch's ``_new_process_group_helper`` would for one device."""
+    if name == dist.Backend.GLOO:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    plugin = dist.Backend._plugins.get(name.upper())
+    if plugin is None:
+        raise ValueError(
+            f"tpu_dist: the group's backend config names {name!r}, which is not a registered "
+            f"torch.distributed backend (registered: {sorted(dist.Backend.backend_list)})"
+        )
+    if not plugin.extended_api:
+        return plugin.creator_fn(store, rank, size, timeout)
+    opts = dist.distributed_c10d._DistributedBackendOptions()
+    opts.store, opts.group_rank, opts.group_size, opts.timeout = store, rank, size, timeout
+    opts.global_ranks_in_group = global_ranks
+    return plugin.creator_fn(opts, None)
+
+
+class DelegatingMixin:
+    """Sends collectives whose tensors are not on the CPU to the group's backend for them."""
+
+    _store: dist.Store
+    _delegates: dict[str, Any]
+
+    def _delegate_for(self, device_type: str) -> Any:
+        backend = self._delegates.get(device_type)
+        if backend is not None:
+            return backend
+        config = dist.get_backend_config(self)  # type: ignore[arg-type]
+        name = _backend_name(config, device_type)
+        if name is None:
+            raise ValueError(
+                f"tpu_dist: this group (backend config {config!r}) has no backend for tensors on "
+                f"{device_type!r}; tpu_dist's groups take CPU tensors. To combine backends in one "
+                f"group use torch's per-device syntax, e.g. init_process_group("
+                f"'cpu:{dist.get_backend(self)},{device_type}:<backend>')"  # type: ignore[arg-type]
+            )
+        store = dist.PrefixStore(f"tpu_dist_delegate/{device_type}/", self._store)
+        backend = create_backend(
+            name, store, self.rank(), self.size(), self._timeout,  # type: ignore[attr-defined]
+            list(self._global_ranks),  # type: ignore[attr-defined]
+        )
+        if isinstance(backend, torch._C._distributed_c10d.Backend):
+            self._register_backend(  # type: ignore[attr-defined]
+                torch.device(device_type), dist.ProcessGroup.BackendType.CUSTOM, backend
+            )
+        self._delegates[device_type] = backend
+        return backend
+
+
+def _routed(ours: Callable[..., Any], theirs: str) -> Callable[..., Any]:
+    @functools.wraps(ours)
+    def method(self: Any, *args: Any) -> Any:
+        device_type = _device_type(args)
+        if device_type is None or device_type == "cpu":
+            return ours(self, *args)
+        return getattr(self._delegate_for(device_type), theirs)(*args)
+
+    return method
+
+
+def route_other_devices(cls: type) -> type:
+    """Class decorator: each collective of ``cls`` hands non-CPU tensors to a delegate."""
+    for ours, theirs in _METHODS.items():
+        setattr(cls, ours, _routed(getattr(cls, ours), theirs))
+    return cls
