@@ -38,13 +38,24 @@ Multislice (queued resources or a JobSet with several slices): ``MEGASCALE_NUM_S
 slice count, this host's slice and the master; node rank = slice id x hosts per slice + worker
 id. Emulated: ``tpu-launch --emulate v5e:2x4 --num-slices 2 train.py``.
 
+TorchTPU (``torch-tpu``) workers: ``--runtime torchtpu`` (the default on a TPU host where
+``torch_tpu`` is installed; ``--runtime tpu_dist`` forces tpu_dist's runtime) starts one worker
+per TPU device (two per TPU7x chip) and gives them TorchTPU's ``TORCH_TPU_*`` variables instead of
+the ``TPU_PROCESS_*`` ones (see ``tpu_dist.launch._torchtpu``)::
+
+    tpu-launch --runtime torchtpu train.py
+
 Fault tolerance: ``--max-restarts N`` restarts the worker group up to N times; a script that
 resumes from its last checkpoint then completes. With several hosts, tpu-launch switches the
 default static rendezvous to c10d so that all hosts restart together.
 
 Check a launch without starting anything: ``tpu-launch --dry-run ... train.py`` prints the
 resolved launch (and where each value came from), and per host and rank every variable the
-worker would get.
+worker would get; ``--plan-json FILE`` writes the same for every node and worker as JSON
+(``{"world_size", "runtime", "nodes": [{"node_rank", "host", "workers": [{"rank", "local_rank",
+"env"}]}], "shared_env"}``). With ``TPU_DIST_PLATFORM=tpu`` and the TPU VM's variables
+(``TPU_ACCELERATOR_TYPE``, ``TPU_WORKER_HOSTNAMES``, ``TPU_WORKER_ID``) a TPU host's launch is
+planned on any machine.
 
 How a host finds out where it is
 ================================
@@ -92,6 +103,14 @@ From tpu-launch:
 ``TPU_DIST_DEFAULT_FOR_CPU``        ``1`` with ``--default-for-cpu``: tpu_dist is torch's default
                                     backend for CPU tensors (``init_process_group()`` unnamed)
 =================================  ===========================================================
+
+With ``--runtime torchtpu`` the five TPU variables from ``TPU_VISIBLE_CHIPS`` to
+``CLOUD_TPU_TASK_ID`` are not set (TorchTPU sets them itself); instead every worker gets
+``TORCH_TPU_SLICEBUILDER_ADDRESSES`` (``host:port`` of every TPU device of the slice, ports from
+``TORCH_TPU_BASE_PORT``, 8070), ``TORCH_TPU_TOPOLOGY`` (the slice's chip grid, ``x,y,z``;
+``x,y,z,2`` on TPU7x), ``TORCH_TPU_DEVICES_PER_HOST``, and on multislice the ``MEGASCALE_*``
+variables the platform did not set (slices, this host's slice, the coordinator
+``<master>:8080``).
 
 The TPU variables are set only with one worker per chip; with ``--nproc-per-node 1`` the single
 worker sees every chip of its host. A variable you set yourself is never silently overwritten:
