@@ -90,7 +90,7 @@ def create_backend(
 class DelegatingMixin:
     """Sends collectives whose tensors are not on the CPU to the group's backend for them."""
 
-    _store: dist.Store
+    _store: dist.Store | None
     _delegates: dict[str, Any]
 
     def _delegate_for(self, device_type: str) -> Any:
@@ -105,6 +105,12 @@ class DelegatingMixin:
                 f"{device_type!r}; tpu_dist's groups take CPU tensors. To combine backends in one "
                 f"group use torch's per-device syntax, e.g. init_process_group("
                 f"'cpu:{dist.get_backend(self)},{device_type}:<backend>')"  # type: ignore[arg-type]
+            )
+        if self._store is None:
+            raise RuntimeError(
+                f"tpu_dist: this group was built without a store, so it cannot create the "
+                f"{name!r} backend for {device_type!r} tensors; create groups through "
+                "torch.distributed (init_process_group, new_group)"
             )
         store = dist.PrefixStore(f"tpu_dist_delegate/{device_type}/", self._store)
         backend = create_backend(
