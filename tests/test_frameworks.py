@@ -146,3 +146,14 @@ def test_set_timeout_rejects_bad_input() -> None:
         set_timeout(5)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="positive"):
         set_timeout(datetime.timedelta(seconds=0))
+
+
+def test_launcher_flag_sets_the_variable_for_workers() -> None:
+    from tpu_dist.launch import Discovery, compute_worker_env, parse_args, resolve
+
+    def shared(argv: list[str]) -> dict[str, str]:
+        spec = resolve(parse_args([*argv, "train.py"], {}), Discovery(on_tpu=False), {})
+        return dict(compute_worker_env(spec, {}).shared)
+
+    assert shared(["--nproc-per-node", "2", "--default-for-cpu"])["TPU_DIST_DEFAULT_FOR_CPU"] == "1"
+    assert "TPU_DIST_DEFAULT_FOR_CPU" not in shared(["--nproc-per-node", "2"])
