@@ -205,8 +205,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         metavar="FILE",
         default=None,
         help="Write the resolved launch as JSON to FILE ('-' for stdout): every node and "
-        "worker with every variable tpu-launch sets for it (see tpu_dist.launch._plan). With "
-        "--dry-run nothing is started.",
+        "worker with every variable tpu-launch sets for it ({world_size, runtime, nodes: [{node_rank, "
+        "host, workers: [{rank, local_rank, env}]}], shared_env}). With --dry-run nothing is "
+        "started.",
     )
     group.add_argument(
         "--default-for-cpu",
