@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.launch_worker import free_port
+from tpu_dist.mesh import Topology
 from tpu_dist.launch import (
     Discovery,
     LaunchSpec,
@@ -72,20 +73,24 @@ def spec_for(
     ],
 )
 def test_parse_slice(name: str, chips: int, hosts: int, bounds: tuple[int, int, int]) -> None:
-    for use_mesh in (True, False):
-        shape = parse_slice(name, use_mesh=use_mesh)
-        assert (shape.num_chips, shape.num_hosts, shape.bounds) == (chips, hosts, bounds), use_mesh
-        assert shape.bounds_str == ",".join(map(str, bounds))
+    shape = parse_slice(name)
+    assert (shape.num_chips, shape.num_hosts, shape.bounds) == (chips, hosts, bounds)
+    assert shape.bounds_str == ",".join(map(str, bounds))
 
 
-def test_parse_slice_local_table_without_mesh() -> None:
-    # v3 is not in the mesh's generations; the local table still reads it (4 chips, 2 cores each).
-    shape = parse_slice("v3-32")
-    assert (shape.num_chips, shape.bounds, shape.chips_per_host) == (16, (4, 4, 1), 4)
-    assert parse_slice("v5litepod-16", use_mesh=False).num_hosts == 4
+def test_parse_slice_agrees_with_the_mesh_on_hosts() -> None:
+    # One record of hardware facts: multi-host v5e/v6e slices are hosts of 4 chips (2x2), as
+    # libtpu lays them out; v7x chips are two devices each. (Before issue 12 the launcher's own
+    # table and the mesh disagreed: v5litepod-16 was 4 hosts here and 2 there.)
+    for name in ("v5litepod-16", "v6e-256", "v5p-128", "tpu7x-16", "v4-8"):
+        shape, topo = parse_slice(name), Topology.parse(name)
+        assert shape.num_hosts == topo.num_hosts, name
+        assert shape.num_devices == topo.num_devices, name
+    assert parse_slice("v5litepod-16").chips_per_host == 4
+    assert parse_slice("tpu7x-16").devices_per_chip == 2
 
 
-@pytest.mark.parametrize("name", ["v9-8", "v4-7", "banana", "v5p:2xx2"])
+@pytest.mark.parametrize("name", ["v9-8", "v4-7", "banana", "v5p:2xx2", "v3-32"])
 def test_parse_slice_rejects(name: str) -> None:
     with pytest.raises(
         ValueError, match=r"v5p|v4|generation|expected|topology|multiple|TensorCores"

@@ -81,15 +81,16 @@ def test_plan_properties(spec: str, num_slices: int, ici: tuple, dcn: tuple) -> 
 
 
 def test_hand_checked_v5e_4x4_snake() -> None:
-    # v5e 4x4: hosts of 2x4 chips, rank = 8 * (x // 2) + x % 2 + 2 * y:
-    #   y=0:  0  1 |  8  9
-    #   y=1:  2  3 | 10 11
-    #   y=2:  4  5 | 12 13
-    #   y=3:  6  7 | 14 15
+    # v5e 4x4: four hosts of 2x2 chips, rank = 4 * host + x % 2 + 2 * (y % 2) with
+    # host = x // 2 + 2 * (y // 2):
+    #   y=0:  0  1 |  4  5
+    #   y=1:  2  3 |  6  7
+    #   y=2:  8  9 | 12 13
+    #   y=3: 10 11 | 14 15
     # JAX gives the 16-way axis the x-y plane, y fastest; the snake turns at each row end:
     # (0,0) (0,1) (0,2) (0,3) (1,3) (1,2) (1,1) (1,0) (2,0) ... (3,0).
     ranks = plan_mesh(Topology.create("v5e", "4x4"), (16,))
-    assert ranks.tolist() == [0, 2, 4, 6, 7, 5, 3, 1, 8, 10, 12, 14, 15, 13, 11, 9]
+    assert ranks.tolist() == [0, 2, 8, 10, 11, 9, 3, 1, 4, 6, 12, 14, 15, 13, 7, 5]
 
 
 def test_hand_checked_v5p_2x2x2() -> None:

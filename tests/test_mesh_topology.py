@@ -17,15 +17,16 @@ ACCELERATOR_TYPES = [
     ("v4-128", "v4", (4, 4, 4), 64, 1, 16),
     ("v4-4096", "v4", (8, 16, 16), 2048, 1, 512),
     ("v5litepod-1", "v5e", (1, 1), 1, 1, 1),
-    ("v5litepod-16", "v5e", (4, 4), 16, 1, 2),
-    ("v5e-256", "v5e", (16, 16), 256, 1, 32),
+    ("v5litepod-16", "v5e", (4, 4), 16, 1, 4),  # 2x2 hosts (ct5lp-hightpu-4t)
+    ("v5litepod-8", "v5e", (2, 4), 8, 1, 1),  # one 2x4 host (ct5lp-hightpu-8t)
+    ("v5e-256", "v5e", (16, 16), 256, 1, 64),
     ("v5p-8", "v5p", (2, 2, 1), 4, 1, 1),
     ("v5p-32", "v5p", (2, 2, 4), 16, 1, 4),
     ("v5p-128", "v5p", (4, 4, 4), 64, 1, 16),
     ("v5p-256", "v5p", (4, 4, 8), 128, 1, 32),
     ("v5p-12288", "v5p", (16, 16, 24), 6144, 1, 1536),
     ("v6e-8", "v6e", (2, 4), 8, 1, 1),
-    ("v6e-64", "v6e", (8, 8), 64, 1, 8),
+    ("v6e-64", "v6e", (8, 8), 64, 1, 16),
     ("tpu7x-8", "v7x", (2, 2, 1), 4, 2, 1),
     ("tpu7x-128", "v7x", (4, 4, 4), 64, 2, 16),
 ]
@@ -98,10 +99,15 @@ def test_hand_checked_rank_layouts() -> None:
         (0, 0, 0), (1, 0, 0), (0, 1, 0), (1, 1, 0),  # host 0
         (0, 0, 1), (1, 0, 1), (0, 1, 1), (1, 1, 1),  # host 1
     ]
-    # v5e 4x4: two hosts of 2x4 chips, host 1 holds x = 2, 3.
+    # v5e 4x4: four hosts of 2x2 chips (x fastest over host blocks), host 1 holds x = 2, 3 of
+    # y = 0, 1 (libtpu lays it out so; tests/test_libtpu_topology.py compares every device).
     topo = Topology.create("v5e", "4x4")
-    assert [c.coords for c in topo.chips[6:10]] == [(0, 3), (1, 3), (2, 0), (3, 0)]
-    assert [c.host for c in topo.chips[6:10]] == [0, 0, 1, 1]
+    assert [c.coords for c in topo.chips[2:8]] == [(0, 1), (1, 1), (2, 0), (3, 0), (2, 1), (3, 1)]
+    assert [c.host for c in topo.chips[2:8]] == [0, 0, 1, 1, 1, 1]
+    # v5e 2x4 (v5litepod-8): one host of 8 chips, x fastest.
+    topo = Topology.create("v5e", "2x4")
+    assert topo.num_hosts == 1
+    assert [c.coords for c in topo.chips[:4]] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     # v7x: two devices (cores) per chip, the core fastest.
     topo = Topology.from_accelerator_type("tpu7x-8")
     assert [(c.coords, c.core) for c in topo.chips[:4]] == [

@@ -7,17 +7,28 @@ wrap around, how chips are grouped on hosts and what its ICI and DCN links carry
 Generations and the figures used for each (bidirectional ICI bandwidth per chip, DCN bandwidth
 per chip), with their sources in each generation's ``source`` field:
 
-======= ========== ============ ====== ============ ========== ===== ===============
-name    chip grid  wraparound   cores  devices/chip chips/host ICI   DCN
-======= ========== ============ ====== ============ ========== ===== ===============
-v4      3-D        whole cubes  2      1 (megacore) 4          540   25 (estimate)
-v5e     2-D        16-chip side 1      1            8          400   25
-v5p     3-D        whole cubes  2      1 (megacore) 4          1200  50
-v6e     2-D        16-chip side 1      1            8          800   100
-v7x     3-D        whole cubes  2      2            4          1200  100
-======= ========== ============ ====== ============ ========== ===== ===============
+======= ========== ============ ====== ============ ============ ===== ==== ================
+name    chip grid  wraparound   cores  devices/chip chips/host   ICI   DCN  device_kind
+======= ========== ============ ====== ============ ============ ===== ==== ================
+v4      3-D        whole cubes  2      1 (megacore) 4 (2x2x1)    540   25   "TPU v4"
+v5e     2-D        16-chip side 1      1            4 (2x2) [*]  400   25   "TPU v5 lite"
+v5p     3-D        whole cubes  2      1 (megacore) 4 (2x2x1)    1200  50   "TPU v5"
+v6e     2-D        16-chip side 1      1            4 (2x2) [*]  800   100  "TPU v6 lite"
+v7x     3-D        whole cubes  2      2            4 (2x2x1)    1200  100  "TPU7x"
+======= ========== ============ ====== ============ ============ ===== ==== ================
 
-(ICI in GB/s summed over a chip's links, DCN in Gb/s.)
+(ICI in GB/s summed over a chip's links, DCN in Gb/s.) v2 and v3 are not modelled.
+
+[*] Hosts of a *multi-host* v5e/v6e slice hold a 2x2 block of chips (the 4-chip VM types
+``ct5lp-hightpu-4t`` / ``ct6e-standard-4t``, and what libtpu lays out); a slice of at most 8
+chips is served by one host, so ``v5litepod-8`` / ``v6e-8`` is a single 2x4 host (the 8-chip VM
+types ``ct5lp-hightpu-8t`` / ``ct6e-standard-8t``). libtpu's compile-only topologies put such a
+slice on two 2x2 hosts unless told ``chips_per_host_bounds=(2, 4, 1)``; the deployment wins.
+
+Where each fact was checked: device kinds, chips and cores per host, core numbering and host
+numbering of v4 (megacore), v5e, v5p, v6e and TPU7x against libtpu 0.0.52's compile-only devices
+(``tests/test_libtpu_topology.py``); slice shapes, accelerator-type names and link speeds from
+the Cloud TPU documentation (each generation's ``source``).
 """
 
 from __future__ import annotations
@@ -62,7 +73,13 @@ class Generation:
     aliases: tuple[str, ...] = ()
     """Other names it goes by; each also works as an accelerator-type prefix (``v5e-16``)."""
     device_kind: str
-    """``jax.Device.device_kind`` of its chips: how real TPU devices are recognised."""
+    """``jax.Device.device_kind`` of its devices as the TPU runtime reports it: how real TPU
+    devices are recognised (v5p reports ``"TPU v5"``, not ``"TPU v5p"``)."""
+    other_device_kinds: tuple[str, ...] = ()
+    """Other spellings of ``device_kind`` that JAX knows for this generation (also accepted)."""
+    libtpu_name: str | None = None
+    """The generation's name in libtpu's topology names (``"tpu7x"`` in ``"tpu7x:4x4x4"``), or
+    ``None`` when libtpu cannot describe it."""
     torus_ndim: Literal[2, 3]
     """Dimensions of the chip grid of a slice."""
     tensorcores_per_chip: int
@@ -73,6 +90,10 @@ class Generation:
     """Chips attached to one host (TPU VM) of a multi-host slice."""
     host_shape: tuple[int, ...]
     """The block of the chip grid that one host of a multi-host slice holds."""
+    single_host_chips: int | None = None
+    """The largest slice (in chips) that one host serves alone; ``None`` means
+    ``chips_per_host``. 8 on v5e/v6e, whose 8-chip VMs hold a whole 2x4 slice while their
+    multi-host slices are made of 4-chip (2x2) hosts."""
     accelerator_prefix: str
     """The prefix of its Cloud TPU accelerator types (``"v5litepod"`` in ``v5litepod-16``)."""
     accelerator_type_counts: Literal["chips", "tensorcores"]
@@ -106,6 +127,11 @@ class Generation:
             raise ValueError(
                 f"devices_per_chip must be 1 or tensorcores_per_chip, got "
                 f"{self.devices_per_chip=} {self.tensorcores_per_chip=}"
+            )
+        if self.single_host_chips is not None and self.single_host_chips < self.chips_per_host:
+            raise ValueError(
+                f"single_host_chips must be at least chips_per_host, got "
+                f"{self.single_host_chips=} {self.chips_per_host=}"
             )
         if self.torus_ndim == 2 and self.pod_side is None:
             raise ValueError(f"a 2-D generation needs pod_side, got {self.name=}")
@@ -210,10 +236,11 @@ class Generation:
     def host_block(self, shape: Sequence[int]) -> tuple[int, ...]:
         """The block of chips one host holds in a slice of ``shape``.
 
-        A slice smaller than one host (v5e 1x1, 2x2) is a single host holding the whole slice.
+        A slice of at most :attr:`max_single_host_chips` chips (v5e 1x1, 2x2, 2x4; v5p 2x2x1) is
+        a single host holding the whole slice; a larger one is split into ``host_shape`` blocks.
         """
         shape = tuple(shape)
-        if math.prod(shape) <= self.chips_per_host:
+        if math.prod(shape) <= self.max_single_host_chips:
             return shape
         if any(s % h for s, h in zip(shape, self.host_shape)):
             raise ValueError(
@@ -221,6 +248,16 @@ class Generation:
                 f"{format_shape(self.host_shape)} chips"
             )
         return self.host_shape
+
+    @property
+    def max_single_host_chips(self) -> int:
+        """The largest slice, in chips, that one host serves alone."""
+        return self.single_host_chips or self.chips_per_host
+
+    @property
+    def device_kinds(self) -> tuple[str, ...]:
+        """Every ``device_kind`` spelling that names this generation, the runtime's first."""
+        return (self.device_kind, *self.other_device_kinds)
 
     def accelerator_type(self, num_chips: int) -> str:
         """The Cloud TPU accelerator type of a slice of ``num_chips`` chips (``"v5p-128"``)."""
@@ -293,6 +330,7 @@ V4 = register_generation(
     Generation(
         name="v4",
         device_kind="TPU v4",
+        libtpu_name="v4",
         torus_ndim=3,
         tensorcores_per_chip=2,
         devices_per_chip=1,
@@ -309,7 +347,8 @@ V4 = register_generation(
             "shapes, megacore, 4096-chip pod: cloud.google.com/tpu/docs/v4 and "
             "/tpu/docs/types-topologies (AxBxC, A<=B<=C, all <=4 or all multiples of 4); "
             "ICI: 6 links x 45 GB/s each way (jax-ml.github.io/scaling-book/tpus); "
-            "DCN: not published for v4, 25 Gb/s per chip is an estimate"
+            "DCN: not published for v4, 25 Gb/s per chip is an estimate; device kind, 2x2x1 "
+            "hosts and one megacore device per chip: libtpu 0.0.52 (chip_config_name='megacore')"
         ),
     )
 )
@@ -318,11 +357,14 @@ V5E = register_generation(
         name="v5e",
         aliases=("v5lite",),
         device_kind="TPU v5 lite",
+        other_device_kinds=("TPU v5e",),  # jax/_src/mesh_utils.py knows this spelling too
+        libtpu_name="v5e",
         torus_ndim=2,
         tensorcores_per_chip=1,
         devices_per_chip=1,
-        chips_per_host=8,
-        host_shape=(2, 4),
+        chips_per_host=4,
+        host_shape=(2, 2),
+        single_host_chips=8,
         accelerator_prefix="v5litepod",
         accelerator_type_counts="chips",
         small_shapes=_POD_2D_SHAPES,
@@ -333,14 +375,21 @@ V5E = register_generation(
         dcn_gbits_per_s=25.0,
         source=(
             "cloud.google.com/tpu/docs/v5e: 400 GB/s bidirectional ICI per chip, 4 ICI ports, "
-            "8 chips per host, 2 x 100 Gb/s NICs per host (25 Gb/s per chip), 16x16 2-D torus pod"
+            "2 x 100 Gb/s NICs per 8-chip host (25 Gb/s per chip), 16x16 2-D torus pod; hosts: "
+            "slices up to 8 chips are one VM (ct5lp-hightpu-1t/4t/8t, v5litepod-8 is one 2x4 "
+            "host), multi-host slices are made of 4-chip 2x2 VMs (ct5lp-hightpu-4t, "
+            "cloud.google.com/kubernetes-engine/docs/concepts/tpus), as libtpu 0.0.52 lays "
+            "them out"
         ),
     )
 )
 V5P = register_generation(
     Generation(
         name="v5p",
-        device_kind="TPU v5p",
+        # What the runtime reports (libtpu 0.0.52; JAX's TPU tests and MaxText match on it).
+        device_kind="TPU v5",
+        other_device_kinds=("TPU v5p",),  # jax/_src/mesh_utils.py's spelling
+        libtpu_name="v5p",
         torus_ndim=3,
         tensorcores_per_chip=2,
         devices_per_chip=1,
@@ -356,7 +405,7 @@ V5P = register_generation(
         source=(
             "cloud.google.com/tpu/docs/v5p: 1200 GB/s bidirectional ICI and 50 Gb/s DCN per "
             "chip, 4-chip VMs, slices up to 16x16x24 (6144 chips), 4x4x4 and larger are full "
-            "3-D tori"
+            "3-D tori; device kind 'TPU v5' and 2x2x1 hosts: libtpu 0.0.52"
         ),
     )
 )
@@ -365,11 +414,13 @@ V6E = register_generation(
         name="v6e",
         aliases=("trillium",),
         device_kind="TPU v6 lite",
+        libtpu_name="v6e",
         torus_ndim=2,
         tensorcores_per_chip=1,
         devices_per_chip=1,
-        chips_per_host=8,
-        host_shape=(2, 4),
+        chips_per_host=4,
+        host_shape=(2, 2),
+        single_host_chips=8,
         accelerator_prefix="v6e",
         accelerator_type_counts="chips",
         small_shapes=_POD_2D_SHAPES,
@@ -380,8 +431,10 @@ V6E = register_generation(
         dcn_gbits_per_s=100.0,
         source=(
             "cloud.google.com/tpu/docs/v6e and /tpu/docs/tpu7x: 800 GB/s bidirectional ICI per "
-            "chip, 4 ICI ports, 8 chips per host, 4 x 200 Gb/s NICs per host (100 Gb/s per chip), "
-            "16x16 2-D torus pod"
+            "chip, 4 ICI ports, 4 x 200 Gb/s NICs per 8-chip host (100 Gb/s per chip), 16x16 "
+            "2-D torus pod; hosts: slices up to 8 chips are one VM (ct6e-standard-1t/4t/8t, "
+            "v6e-8 is one 2x4 host), multi-host slices are made of 4-chip 2x2 VMs "
+            "(ct6e-standard-4t), as libtpu 0.0.52 lays them out"
         ),
     )
 )
@@ -390,6 +443,7 @@ V7X = register_generation(
         name="v7x",
         aliases=("ironwood",),
         device_kind="TPU7x",
+        libtpu_name="tpu7x",
         torus_ndim=3,
         tensorcores_per_chip=2,
         devices_per_chip=2,
@@ -405,7 +459,8 @@ V7X = register_generation(
         source=(
             "cloud.google.com/tpu/docs/tpu7x: 1200 GB/s bidirectional ICI and 100 Gb/s DCN per "
             "chip, two TensorCores per chip exposed as two devices, 4-chip VMs, 9216-chip pod; "
-            "the slice shapes are assumed to follow v5p's cube rules"
+            "the slice shapes are assumed to follow v5p's cube rules; device kind, two devices "
+            "per chip (core_on_chip 0/1) and 2x2x1-chip hosts: libtpu 0.0.52"
         ),
     )
 )

@@ -20,14 +20,14 @@
    slice ``s`` taking block ``unravel(s, dcn_mesh_shape)`` (``np.block`` order). So every ICI
    group stays inside one slice, and an axis with a DCN factor crosses that many slices.
 
-Worked example, a v5e ``4x4`` slice (two hosts of 2x4 chips; rank = 8 * host + x % 2 + 2 * y)
-and mesh ``(16,)``::
+Worked example, a v5e ``4x4`` slice (four hosts of 2x2 chips; rank = 4 * host + x % 2 +
+2 * (y % 2)) and mesh ``(16,)``::
 
     chip (x, y) -> rank       plan_mesh(v5e 4x4, (16,))
-    y=0:  0  1 |  8  9        [0, 2, 4, 6, 7, 5, 3, 1, 8, 10, 12, 14, 15, 13, 11, 9]
-    y=1:  2  3 | 10 11        = (0,0) (0,1) (0,2) (0,3) (1,3) (1,2) (1,1) (1,0) (2,0) ...
-    y=2:  4  5 | 12 13        every consecutive pair one ICI hop apart.
-    y=3:  6  7 | 14 15
+    y=0:  0  1 |  4  5        [0, 2, 8, 10, 11, 9, 3, 1, 4, 6, 12, 14, 15, 13, 7, 5]
+    y=1:  2  3 |  6  7        = (0,0) (0,1) (0,2) (0,3) (1,3) (1,2) (1,1) (1,0) (2,0) ...
+    y=2:  8  9 | 12 13        every consecutive pair one ICI hop apart.
+    y=3: 10 11 | 14 15
 
 v7x: the two TensorCores of a chip are two devices linked on the package, faster than any
 ICI link (JAX's own TPU7x handler assigns them first for that reason), so when the innermost

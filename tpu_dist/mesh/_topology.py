@@ -242,7 +242,7 @@ class Topology:
         kinds = sorted({d.device_kind for d in devices})
         if len(kinds) != 1:
             raise ValueError(f"devices of one TPU generation expected, got kinds {kinds}")
-        by_kind = {g.device_kind: g for g in generations().values()}
+        by_kind = {k: g for g in generations().values() for k in g.device_kinds}
         gen = by_kind.get(kinds[0])
         if gen is None:
             raise ValueError(
