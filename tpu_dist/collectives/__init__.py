@@ -18,6 +18,8 @@ Public names:
   ``_set_pg_timeout`` reaches only gloo and NCCL).
 * :func:`global_devices` - the JAX device of each global rank.
 * :func:`compile_count` - how many collective programs this process compiled.
+* :class:`ProgramKey` - what decides a collective's XLA program (kind, blocks, params);
+  :mod:`tpu_dist.collectives.compile_only` compiles one for TPU without a TPU (libtpu).
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ from tpu_dist.collectives._timeout import set_timeout
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._backend import ProcessGroupTPU
-    from tpu_dist.collectives._lowering import compile_count
+    from tpu_dist.collectives._lowering import ProgramKey, compile_count
     from tpu_dist.collectives._runtime import global_devices
 
 # These pull in JAX, so they load on first use: ``import tpu_dist`` stays cheap.
 _LAZY = {
     "ProcessGroupTPU": "tpu_dist.collectives._backend",
     "compile_count": "tpu_dist.collectives._lowering",
+    "ProgramKey": "tpu_dist.collectives._lowering",
     "global_devices": "tpu_dist.collectives._runtime",
 }
 
@@ -56,6 +59,7 @@ __all__ = [
     "DEFAULT_FOR_CPU_ENV",
     "FALLBACK_BACKEND_NAME",
     "ProcessGroupTPU",
+    "ProgramKey",
     "compile_count",
     "global_devices",
     "make_default_for_cpu",

@@ -72,7 +72,7 @@ class _Program:
 
 _lock = threading.Lock()
 _programs: dict[ProgramKey, _Program] = {}
-_meshes: dict[tuple[int, ...], tuple[Mesh, NamedSharding]] = {}
+_meshes: dict[tuple[jax.Device, ...], tuple[Mesh, NamedSharding]] = {}
 _compilations = 0
 
 
@@ -82,8 +82,12 @@ def compile_count() -> int:
 
 
 def mesh_for(devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
-    """The one-axis mesh over ``devices`` and the 1-D sharding along it (cached)."""
-    ids = tuple(d.id for d in devices)
+    """The one-axis mesh over ``devices`` and the 1-D sharding along it (cached).
+
+    Cached by the device objects, not their ids: compile-only TPU devices
+    (:mod:`tpu_dist.collectives.compile_only`) reuse the ids of the process's own devices.
+    """
+    ids = tuple(devices)
     found = _meshes.get(ids)
     if found is None:
         mesh = Mesh(np.array(list(devices), dtype=object), (AXIS,))
@@ -158,14 +162,68 @@ def exchanges_directly(key: ProgramKey, devices: Sequence[jax.Device]) -> bool:
     return per_rank <= DIRECT_EXCHANGE_MAX_BYTES
 
 
+_TPU_EMULATED_DTYPES = frozenset({"float64", "int64", "uint64", "complex64", "complex128"})
+"""Dtypes the TPU has no native type for: XLA:TPU rewrites them into 32-bit words, and its
+collectives then support only part of them (see :func:`avoids_tpu_wide_reductions`)."""
+
+
+def avoids_tpu_wide_reductions(key: ProgramKey, devices: Sequence[jax.Device]) -> bool:
+    """Whether ``key``'s reduction must avoid XLA:TPU's own collective for its dtypes.
+
+    XLA:TPU emulates 64-bit and complex types with 32-bit words, and its collectives support
+    only part of that (libtpu 0.0.52, checked in ``tests/test_tpu_compile.py``):
+
+    * all-reduce of float64/int64 with max or min: ``UNIMPLEMENTED: Supported lowering only of
+      Sum all reduce``; sum works (for complex too);
+    * reduce-scatter of float64 (any op): ``Supported lowering only of Sum reduce-scatter``;
+      of complex64/complex128: ``... not to contain X{64|128} element types ...``.
+
+    Such programs reduce after an exchange instead: max/min all-reduces all-gather and reduce
+    locally (as PRODUCT and bitwise ops always do), reduce-scatters are an all-to-all and a
+    local reduction (the CPU variant, :func:`exchanges_directly`): the same bytes per rank for
+    a reduce-scatter, ``size`` times the input for the all-gather, on types that are rare in
+    collectives.
+    """
+    if not devices or devices[0].platform != "tpu" or key.kind not in _TPU_WIDE_BODIES:
+        return False
+    return any(dtype in _TPU_EMULATED_DTYPES for _, dtype in key.blocks)
+
+
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
     """The per-block function ``key``'s program runs under ``shard_map`` over ``devices``."""
-    bodies = _DIRECT_BODIES if exchanges_directly(key, devices) else _BODIES
+    if avoids_tpu_wide_reductions(key, devices):
+        bodies = _TPU_WIDE_BODIES
+    elif exchanges_directly(key, devices):
+        bodies = _DIRECT_BODIES
+    else:
+        bodies = _BODIES
     return bodies[key.kind](len(devices), *key.params)
 
 
 def _compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
     global _compilations
+    lowered = lower(key, devices)
+    with _runtime.x64_scope():
+        compiled = lowered.compile()
+    _compilations += 1
+    return compiled
+
+
+def lower(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Lowered:
+    """``key``'s program over ``devices``, lowered (not compiled, not cached, not counted).
+
+    Raises:
+        TypeError: complex128 blocks on TPU: XLA:TPU has no complex128, and libtpu 0.0.52's
+            compiler crashes the process on any complex128 program (even an identity).
+    """
+    if devices and devices[0].platform == "tpu":
+        wide = [dtype for _, dtype in key.blocks if dtype == "complex128"]
+        if wide:
+            raise TypeError(
+                f"{key.kind}: complex128 collectives cannot be compiled for TPU (XLA:TPU has "
+                "no complex128); use complex64, or view the tensor as float64 pairs "
+                "(torch.view_as_real) for sums."
+            )
     mesh, sharding = mesh_for(devices)
     size = len(devices)
     body = body_for(key, devices)
@@ -182,9 +240,7 @@ def _compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compi
         for length, dtype in key.blocks
     ]
     with _runtime.x64_scope():
-        compiled = jax.jit(mapped).lower(*abstract).compile()
-    _compilations += 1
-    return compiled
+        return jax.jit(mapped).lower(*abstract)
 
 
 # ---------------------------------------------------------------------------
@@ -219,16 +275,16 @@ def _premul(op: str, factor: float | None, x: jax.Array) -> jax.Array:
     return x
 
 
-def _allreduce(size: int, op: str, factor: float | None = None):
+def _allreduce(size: int, op: str, factor: float | None = None, *, gather_min_max: bool = False):
     def body(*blocks):
         outs = []
         for x in blocks:
             x = _premul(op, factor, x)
             if op in ("SUM", "AVG", "PREMUL_SUM"):
                 y = lax.psum(x, AXIS)
-            elif op == "MAX":
+            elif op == "MAX" and not gather_min_max:
                 y = lax.pmax(x, AXIS)
-            elif op == "MIN":
+            elif op == "MIN" and not gather_min_max:
                 y = lax.pmin(x, AXIS)
             else:  # PRODUCT and bitwise ops: XLA all-reduce only sums, mins and maxes.
                 y = _axis_reduce(op, lax.all_gather(x, AXIS, axis=0))
@@ -349,6 +405,11 @@ def _barrier(size: int):
 _DIRECT_BODIES: dict[str, Callable] = {
     "allreduce": _allreduce_direct,
     "allgather": _allgather_direct,
+    "reduce_scatter": _reduce_scatter_direct,
+}
+
+_TPU_WIDE_BODIES: dict[str, Callable] = {
+    "allreduce": functools.partial(_allreduce, gather_min_max=True),
     "reduce_scatter": _reduce_scatter_direct,
 }
 

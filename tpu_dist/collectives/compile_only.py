@@ -1,0 +1,240 @@
+"""Compile the backend's collective programs for TPU without a TPU (libtpu compile-only devices).
+
+libtpu (``pip install tpu-dist[tpu-compile]``) describes any TPU topology as *compile-only*
+devices: real ``device_kind``, chip ``coords``, ``core_on_chip``, host and slice, and the real
+TPU compiler behind them, on a machine with no TPU. This module builds the exact program the
+"tpu" backend would run for a :class:`ProgramKey` and compiles it over such devices, so a
+collective can be checked for thousands of chips before a job is started::
+
+    from tpu_dist.collectives import ProgramKey
+    from tpu_dist.collectives.compile_only import compile_collective, topology_devices
+    from tpu_dist.mesh import Topology
+
+    devices = topology_devices(Topology.create("v5p", "4x4x4", num_slices=2))   # 128
+    key = ProgramKey("allreduce", tuple(d.id for d in devices), ((1024, "bfloat16"),), ("SUM",))
+    result = compile_collective(key, devices)
+    result.collectives    # [HloCollective(op='all-reduce', replica_groups=((0, ..., 63),), ...)]
+    result.temp_bytes     # scratch memory the program needs on each device
+
+Nothing here runs a program or needs a JAX backend of the process: it works next to a CPU
+runtime, in any process. Without libtpu, :func:`topology_devices` raises ``ImportError`` naming
+the extra to install; the rest of tpu_dist never imports this module.
+
+How XLA:TPU writes collectives (libtpu 0.0.52): op names are rewritten (a reduce-scatter becomes
+an ``all-reduce`` + ``dynamic-slice``; on a v5p cube an all-gather may become an ``all-reduce``),
+asynchronous pairs appear as ``*-start``/``*-done``, and between slices the ICI collective is
+followed by a ``send``/``recv`` pair handled by the multi-slice (MegaScale) runtime, whose
+``_xla_megascale_target`` names the slices and the program devices it joins. Replica groups are
+positions in the program's device list (``devices[i]``), within one slice for multi-slice
+programs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tpu_dist.collectives import _lowering, _runtime
+from tpu_dist.collectives._lowering import ProgramKey
+
+if TYPE_CHECKING:
+    import jax
+
+    from tpu_dist.mesh import Topology
+
+__all__ = [
+    "CompiledCollective",
+    "HloCollective",
+    "compile_collective",
+    "hlo_collectives",
+    "topology_devices",
+]
+
+_COLLECTIVE_OPS = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+    "collective-broadcast",
+)
+# "%name = type op(" or "%name = type op-start(" ; the type may contain spaces inside tuples.
+_OP_RE = re.compile(
+    r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\s(?P<op>" + "|".join(map(re.escape, _COLLECTIVE_OPS))
+    + r")(?P<start>-start)?\("
+)
+_EXPLICIT_GROUPS_RE = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS_RE = re.compile(
+    r"replica_groups=\[(?P<dims>[\d,]+)\]<=\[(?P<reshape>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
+)
+_PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_MEGASCALE_RE = re.compile(
+    r'_xla_megascale_target="(?P<target>[^"]*)".*?_xla_megascale_transfer_type="(?P<type>[^"]*)"'
+)
+_SEND_RE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\ssend\(")
+
+
+@dataclasses.dataclass(frozen=True)
+class HloCollective:
+    """One collective operation of a compiled program, as the HLO text states it."""
+
+    op: str
+    """The HLO op: ``"all-reduce"``, ``"all-gather"``, ``"all-to-all"``, ``"collective-permute"``,
+    ..., or ``"megascale-send"`` for a transfer between slices."""
+    replica_groups: tuple[tuple[int, ...], ...] = ()
+    """The groups of program device positions that communicate (``devices[i]`` is position i);
+    for a collective-permute, the (source, target) pairs; empty for a transfer between slices."""
+    megascale_target: str | None = None
+    """Between slices: the MegaScale target, e.g. ``"{1,2}x{0:3}"`` (slices 1 and 2, counted from
+    1, joining program devices 0 to 3 of each)."""
+    megascale_transfer: str | None = None
+    """Between slices: the transfer type, e.g. ``"ALL_REDUCE"``, ``"ALL_TO_ALL"``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledCollective:
+    """A collective program compiled for TPU, and what the compiler made of it."""
+
+    compiled: Any
+    """The ``jax.stages.Compiled`` (compile-only: it cannot run)."""
+    hlo_text: str
+    """The optimized TPU HLO (``compiled.as_text()``)."""
+    collectives: tuple[HloCollective, ...]
+    """The program's collective operations, in HLO order (:func:`hlo_collectives`)."""
+    temp_bytes: int | None
+    """Scratch memory per device (``memory_analysis().temp_size_in_bytes``), if reported."""
+
+
+def topology_devices(topology: Topology) -> list[jax.Device]:
+    """libtpu's compile-only devices for ``topology``, in rank order (``devices[r]`` is rank r).
+
+    Each rank gets the device with its chip coordinates, core and slice. The topology is
+    described once per call (about 0.2 s for 8,192 devices); keep the list to reuse it.
+
+    Raises:
+        ImportError: libtpu is not installed (``pip install tpu-dist[tpu-compile]``).
+        ValueError: the generation is one libtpu cannot describe, or libtpu's devices do not
+            match the topology (a fact in :mod:`tpu_dist.mesh` disagrees with libtpu).
+    """
+    try:
+        import libtpu  # noqa: F401  (only to say clearly what is missing)
+    except ImportError as err:
+        raise ImportError(
+            "compile-only TPU devices need libtpu: pip install 'tpu-dist[tpu-compile]' "
+            "(or pip install libtpu)"
+        ) from err
+    from jax.experimental import topologies
+
+    gen = topology.generation
+    if gen.libtpu_name is None:
+        raise ValueError(f"libtpu cannot describe {gen.name} topologies (no libtpu name)")
+    # Two processes that load libtpu would otherwise fight over /tmp/libtpu_lockfile; compile-only
+    # use never touches a chip. Set only if the user has not chosen.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    kwargs: dict[str, Any] = {}
+    if topology.hosts_per_slice == 1:
+        # One host holds the whole slice (v5litepod-8 is one 2x4 host); libtpu would split it.
+        bounds = tuple(topology.shape) + (1,) * (3 - len(topology.shape))
+        kwargs["chips_per_host_bounds"] = bounds
+    if gen.name == "v4":
+        kwargs["chip_config_name"] = "megacore"  # one device per chip, as tpu_dist models v4
+    if topology.num_slices > 1:
+        kwargs["num_slices"] = topology.num_slices
+    desc = topologies.get_topology_desc(
+        topology_name=f"{gen.libtpu_name}:{topology.topology}", platform="tpu", **kwargs
+    )
+    devices = list(desc.devices)
+    if len(devices) != topology.num_devices:
+        raise ValueError(
+            f"libtpu describes {len(devices)} devices for {topology!r}, tpu_dist "
+            f"{topology.num_devices}"
+        )
+    grid = topology.rank_grid()
+    ordered: list[Any] = [None] * len(devices)
+    nd = len(topology.shape)
+    for d in devices:
+        where = (getattr(d, "slice_index", 0) or 0, *tuple(d.coords)[:nd], d.core_on_chip)
+        ordered[int(grid[where])] = d
+    return ordered
+
+
+def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> CompiledCollective:
+    """Compile the backend's program for ``key`` over ``devices`` and read the TPU HLO back.
+
+    Args:
+        key: What the "tpu" backend records for a collective: kind, block sizes and dtypes,
+            reduce op / root / permutation (``key.devices`` is not used here: ``devices`` are).
+        devices: The group's devices in group-rank order, e.g. a slice of
+            :func:`topology_devices`. Real TPU devices work too.
+
+    Returns:
+        The compiled program, its HLO text, its collectives and its scratch memory. The program
+        is the one the backend would run on these devices, chosen by the same rules (on TPU,
+        XLA's own collectives; see ``_lowering.body_for``); it is not cached and does not count
+        in :func:`tpu_dist.collectives.compile_count`.
+
+    Raises:
+        TypeError: a dtype the TPU cannot compile collectives for (complex128).
+        jax.errors.JaxRuntimeError: the TPU compiler rejected the program (a lowering bug).
+    """
+    lowered = _lowering.lower(key, devices)
+    with _runtime.x64_scope():
+        compiled = lowered.compile()
+    text = compiled.as_text()
+    try:
+        temp = int(compiled.memory_analysis().temp_size_in_bytes)
+    except (AttributeError, TypeError):
+        temp = None
+    return CompiledCollective(compiled, text, tuple(hlo_collectives(text)), temp)
+
+
+def hlo_collectives(hlo_text: str) -> list[HloCollective]:
+    """The collective operations in an HLO module's text, in order (``*-done`` halves skipped).
+
+    Replica groups are read in both spellings XLA prints: explicit (``{{0,1},{2,3}}``) and iota
+    (``[2,2]<=[4]``, optionally transposed ``[2,2]<=[2,2]T(1,0)``). Sends to the multi-slice
+    runtime are reported as ``"megascale-send"`` with their target and transfer type.
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        m = _OP_RE.match(line)
+        if m is not None:
+            found.append(HloCollective(m["op"], _groups(line)))
+            continue
+        if _SEND_RE.match(line):
+            ms = _MEGASCALE_RE.search(line)
+            if ms is not None:
+                found.append(HloCollective(
+                    "megascale-send", megascale_target=ms["target"],
+                    megascale_transfer=ms["type"],
+                ))
+    return found
+
+
+def _groups(line: str) -> tuple[tuple[int, ...], ...]:
+    m = _EXPLICIT_GROUPS_RE.search(line)
+    if m is not None:
+        return tuple(
+            tuple(int(v) for v in g.split(",") if v)
+            for g in re.findall(r"\{([\d,]*)\}", m.group(1))
+        )
+    m = _IOTA_GROUPS_RE.search(line)
+    if m is not None:
+        dims = [int(v) for v in m["dims"].split(",")]
+        reshape = [int(v) for v in m["reshape"].split(",")]
+        ids = np.arange(int(np.prod(reshape))).reshape(reshape)
+        if m["perm"]:
+            ids = ids.transpose([int(v) for v in m["perm"].split(",")])
+        return tuple(tuple(int(v) for v in row) for row in ids.reshape(dims[0], -1))
+    m = _PAIRS_RE.search(line)
+    if m is not None:
+        return tuple(
+            (int(a), int(b)) for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1))
+        )
+    return ()
