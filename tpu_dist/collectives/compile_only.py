@@ -75,8 +75,11 @@ _IOTA_GROUPS_RE = re.compile(
 )
 _PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _MEGASCALE_RE = re.compile(
-    r'_xla_megascale_target="(?P<target>[^"]*)".*?_xla_megascale_transfer_type="(?P<type>[^"]*)"'
+    r'_xla_megascale_target=(?:"(?P<quoted>[^"]*)"|(?P<braced>\{\{[^}]*\}\}))'
+    r'.*?_xla_megascale_transfer_type="(?P<type>[^"]*)"'
 )
+_MEGASCALE_SLICE_STRIDE = 100_000
+"""libtpu's multi-slice device ids: ``(slice_index + 1) * 100000 + id within the slice``."""
 _SEND_RE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\ssend\(")
 
 
@@ -91,10 +94,32 @@ class HloCollective:
     """The groups of program device positions that communicate (``devices[i]`` is position i);
     for a collective-permute, the (source, target) pairs; empty for a transfer between slices."""
     megascale_target: str | None = None
-    """Between slices: the MegaScale target, e.g. ``"{1,2}x{0:3}"`` (slices 1 and 2, counted from
-    1, joining program devices 0 to 3 of each)."""
+    """Between slices: the MegaScale target as printed. Three spellings seen (libtpu 0.0.52):
+    ``{1,2}x{0:3}`` (slices counted from 1 x in-slice device ids, for reductions and gathers),
+    ``{{100000,...,200008}}`` (device ids, all-to-all) and ``{{100000->200000}}`` (one-to-one,
+    permutes). :meth:`megascale_devices` reads all three."""
     megascale_transfer: str | None = None
     """Between slices: the transfer type, e.g. ``"ALL_REDUCE"``, ``"ALL_TO_ALL"``."""
+
+    def megascale_devices(self) -> tuple[int, ...]:
+        """The device ids (``jax.Device.id`` of libtpu's multi-slice devices) a transfer between
+        slices joins, in the order printed.
+
+        Raises:
+            ValueError: not a transfer between slices, or a target this parser does not know.
+        """
+        target = self.megascale_target or ""
+        m = re.fullmatch(r"\{([\d,:]*)\}x\{([\d,:]*)\}", target)
+        if m is not None:
+            return tuple(
+                s * _MEGASCALE_SLICE_STRIDE + i
+                for s in _id_list(m.group(1))
+                for i in _id_list(m.group(2))
+            )
+        m = re.fullmatch(r"\{\{([\d,:\->]*)\}\}", target)
+        if m is not None:
+            return _id_list(m.group(1).replace("->", ","))
+        raise ValueError(f"cannot read MegaScale target {target!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,10 +236,19 @@ def hlo_collectives(hlo_text: str) -> list[HloCollective]:
             ms = _MEGASCALE_RE.search(line)
             if ms is not None:
                 found.append(HloCollective(
-                    "megascale-send", megascale_target=ms["target"],
+                    "megascale-send", megascale_target=ms["quoted"] or ms["braced"],
                     megascale_transfer=ms["type"],
                 ))
     return found
+
+
+def _id_list(text: str) -> tuple[int, ...]:
+    """``"0,3:5,9"`` -> ``(0, 3, 4, 5, 9)`` (``a:b`` is inclusive)."""
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition(":")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)
 
 
 def _groups(line: str) -> tuple[tuple[int, ...], ...]:

@@ -1,0 +1,209 @@
+"""Every collective program the "tpu" backend builds, compiled by libtpu's TPU compiler.
+
+libtpu's compile-only devices stand in for a TPU (no TPU here). Each program kind, with every
+reduce op and every dtype the backend sends (reductions on the values; data movement on
+int8/int16/int32 words, see ``_backend._words``), is compiled with the lowering TPUs run, and
+the compiled TPU HLO is read back: its collective ops must be the ones expected for the kind and
+their replica groups exactly the group's devices. Groups: a whole v5p 4x4x4 slice, one ICI axis
+of a ``plan_mesh`` layout of two such slices, and a ``plan_mesh`` DCN group spanning both.
+
+XLA rewrites op names (a reduce-scatter becomes all-reduce + dynamic-slice, an all-gather on a
+v5p cube may become an all-reduce), so each kind lists the ops it may become.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+from tpu_dist.collectives import ProgramKey  # noqa: E402
+from tpu_dist.collectives.compile_only import (  # noqa: E402
+    CompiledCollective,
+    compile_collective,
+    hlo_collectives,
+    topology_devices,
+)
+from tpu_dist.mesh import Topology, plan_mesh  # noqa: E402
+
+_FLOATS = ("float32", "float64", "bfloat16", "float16", "complex64")
+_INTS = ("int8", "int16", "int32", "int64", "uint8")  # uint8 also carries bool (as MAX/MIN)
+_WORDS = ("int8", "int16", "int32")
+
+
+# Every op on the dtypes where lowerings differ (32-bit native; 64-bit and complex emulated by
+# XLA:TPU, see _lowering.avoids_tpu_wide_reductions); a sum and a max on the other dtypes.
+_ALL_OPS_DTYPES = ("float32", "int32", "float64", "int64", "complex64")
+
+
+def _reduce_cases(kind: str) -> list[tuple[str, tuple]]:
+    cases = []
+    for dtype in _FLOATS + _INTS:
+        complex_ = dtype.startswith("complex")
+        if dtype in _ALL_OPS_DTYPES and (kind == "allreduce" or dtype.startswith("float")):
+            ops = ["SUM", "AVG", "PRODUCT"]
+            if not complex_:
+                ops += ["MAX", "MIN"]
+            ops += ["BAND", "BOR", "BXOR"] if dtype in _INTS else ["PREMUL_SUM"]
+        else:
+            ops = ["SUM", "PRODUCT" if complex_ else "MAX"]
+        cases += [(kind, dtype, (op, 0.5) if op == "PREMUL_SUM" else (op,)) for op in ops]
+    return cases
+
+
+# kind -> HLO ops its program may compile to (inside one slice).
+_MAY_BECOME = {
+    "allreduce": {"all-reduce", "all-gather", "all-to-all"},  # all-gather: PRODUCT, bitwise ops
+    "reduce_scatter": {"all-reduce", "reduce-scatter", "all-to-all"},
+    "allgather": {"all-gather", "all-reduce", "all-to-all"},
+    "alltoall": {"all-to-all"},
+    "scatter": {"all-to-all"},
+    "broadcast": {"all-reduce"},
+    "barrier": {"all-reduce"},
+    "permute": {"collective-permute"},
+}
+
+# One program of each kind (and the TPU-specific wide-dtype reductions) for the large groups.
+_KINDS = [
+    ("allreduce", "bfloat16", ("AVG",)),
+    ("allreduce", "float64", ("MAX",)),
+    ("reduce_scatter", "float32", ("PREMUL_SUM", 0.25)),
+    ("reduce_scatter", "float64", ("SUM",)),
+    ("allgather", "uint8", ()),  # the call check's all-gather of call descriptions
+    ("alltoall", "int32", ()),
+    ("broadcast", "int8", (3,)),
+    ("scatter", "int32", (0,)),
+    ("barrier", "int32", ()),
+]
+
+
+@pytest.fixture(scope="module")
+def small_slice() -> list:
+    """One v5p-8 host (2x2x1 chips): cheap compiles for the whole op x dtype matrix."""
+    return topology_devices(Topology.create("v5p", "2x2x1"))
+
+
+@pytest.fixture(scope="module")
+def two_slices() -> tuple[Topology, list]:
+    topo = Topology.create("v5p", "4x4x4", num_slices=2)
+    return topo, topology_devices(topo)
+
+
+def _compile(kind: str, dtype: str, params: tuple, devices: list) -> CompiledCollective:
+    # 8 elements a rank: small blocks, a multiple of the group size where ops split them.
+    length = 8 * len(devices) if kind in ("reduce_scatter", "alltoall", "scatter") else 8
+    key = ProgramKey(kind, tuple(d.id for d in devices), ((length, dtype),), params)
+    return compile_collective(key, devices)
+
+
+def _check_in_slice(result: CompiledCollective, kind: str, size: int) -> None:
+    """Collectives of ``kind``'s ops only, each partitioning program positions 0..size-1."""
+    ops = [c for c in result.collectives if c.op != "megascale-send"]
+    assert ops, result.hlo_text
+    assert {c.op for c in ops} <= _MAY_BECOME[kind], [c.op for c in ops]
+    for c in ops:
+        members = [i for group in c.replica_groups for i in group]
+        if c.op == "collective-permute":
+            continue
+        assert sorted(members) == list(range(size)), (c.op, c.replica_groups)
+
+
+@pytest.mark.parametrize(
+    ("kind", "dtype", "params"), _reduce_cases("allreduce") + _reduce_cases("reduce_scatter")
+)
+def test_every_reduction_compiles(small_slice: list, kind: str, dtype: str, params: tuple) -> None:
+    result = _compile(kind, dtype, params, small_slice)
+    _check_in_slice(result, kind, len(small_slice))
+
+
+@pytest.mark.parametrize("dtype", _WORDS)
+@pytest.mark.parametrize(
+    ("kind", "params"),
+    [("allgather", ()), ("alltoall", ()), ("broadcast", (1,)), ("scatter", (2,))],
+)
+def test_every_data_movement_compiles(
+    small_slice: list, kind: str, params: tuple, dtype: str
+) -> None:
+    result = _compile(kind, dtype, params, small_slice)
+    _check_in_slice(result, kind, len(small_slice))
+
+
+def test_complex128_is_a_clear_error_not_a_compiler_crash(small_slice: list) -> None:
+    # libtpu 0.0.52's compiler segfaults the process on any complex128 program.
+    with pytest.raises(TypeError, match="complex128 collectives cannot be compiled for TPU"):
+        _compile("allreduce", "complex128", ("SUM",), small_slice)
+
+
+@pytest.mark.parametrize(("kind", "dtype", "params"), _KINDS)
+def test_whole_slice(two_slices: tuple, kind: str, dtype: str, params: tuple) -> None:
+    topo, devices = two_slices
+    group = devices[: topo.devices_per_slice]  # slice 0, 64 chips
+    _check_in_slice(_compile(kind, dtype, params, group), kind, len(group))
+
+
+@pytest.mark.parametrize(("kind", "dtype", "params"), _KINDS)
+def test_plan_mesh_ici_axis(two_slices: tuple, kind: str, dtype: str, params: tuple) -> None:
+    # (dp, fsdp, tp) = (2, 8, 8): dp across the two slices, fsdp x tp inside each. The tp group
+    # of rank 0 is 8 chips of slice 0, each one ICI hop from the next.
+    topo, devices = two_slices
+    ranks = plan_mesh(topo, (1, 8, 8), (2, 1, 1))
+    group_ranks = ranks[0, 0, :].tolist()
+    assert set(topo.slice_of(group_ranks).tolist()) == {0}
+    group = [devices[r] for r in group_ranks]
+    result = _compile(kind, dtype, params, group)
+    _check_in_slice(result, kind, len(group))
+    assert not [c for c in result.collectives if c.op == "megascale-send"]
+
+
+@pytest.mark.parametrize(("kind", "dtype", "params"), _KINDS)
+def test_group_spanning_two_slices(two_slices: tuple, kind: str, dtype: str, params: tuple) -> None:
+    # The (dp, fsdp) = (2, 8) group of rank 0 in the layout above: 8 chips in each slice. XLA
+    # runs the ICI part over each slice's 8 program devices (positions 0..7) and hands the rest
+    # to the multi-slice runtime: sends whose target is exactly the group's devices.
+    topo, devices = two_slices
+    ranks = plan_mesh(topo, (1, 8, 8), (2, 1, 1))
+    group_ranks = ranks[:, :, 0].reshape(-1).tolist()
+    assert topo.slice_of(group_ranks).tolist() == [0] * 8 + [1] * 8
+    group = [devices[r] for r in group_ranks]
+    result = _compile(kind, dtype, params, group)
+    dcn = [c for c in result.collectives if c.op == "megascale-send"]
+    assert dcn, result.hlo_text
+    for c in dcn:
+        assert sorted(c.megascale_devices()) == sorted(d.id for d in group), c.megascale_target
+    for c in result.collectives:
+        if c.op != "megascale-send":
+            members = sorted(i for g in c.replica_groups for i in g)
+            assert members == list(range(8)), (c.op, c.replica_groups)
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["ici", "dcn"])
+def test_point_to_point(two_slices: tuple, across: bool) -> None:
+    # send/recv: a two-device permute program (lower device first, as the backend builds it).
+    topo, devices = two_slices
+    peer = topo.devices_per_slice if across else 1
+    result = _compile("permute", "int32", ((0, 1),), [devices[0], devices[peer]])
+    ops = [c.op for c in result.collectives]
+    assert ops == (["megascale-send"] if across else ["collective-permute"]), result.hlo_text
+    for c in result.collectives:
+        if across:  # one-to-one from the first device to the second, over DCN
+            assert c.megascale_transfer == "ONE_TO_ONE"
+            assert c.megascale_devices() == (devices[0].id, devices[peer].id)
+        else:
+            assert c.replica_groups == ((0, 1),)
+
+
+def test_hlo_collectives_reads_both_group_spellings() -> None:
+    text = (
+        "  %a = f32[8]{0} all-reduce(f32[8]{0} %x), channel_id=1, replica_groups={{0,2},{1,3}}, "
+        "use_global_device_ids=true, to_apply=%add\n"
+        "  %b = f32[8]{0} all-gather-start(f32[4]{0} %y), replica_groups=[2,2]<=[2,2]T(1,0), "
+        "dimensions={0}\n"
+        "  %c = f32[8]{0} all-gather-done(%b)\n"
+        "  %d = s32[4]{0} collective-permute(s32[4]{0} %z), source_target_pairs={{0,1},{1,0}}\n"
+    )
+    found = hlo_collectives(text)
+    assert [(c.op, c.replica_groups) for c in found] == [
+        ("all-reduce", ((0, 2), (1, 3))),
+        ("all-gather", ((0, 2), (1, 3))),
+        ("collective-permute", ((0, 1), (1, 0))),
+    ]
