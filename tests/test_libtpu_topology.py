@@ -23,7 +23,9 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes
 
 from jax.experimental import topologies  # noqa: E402
 
-from tpu_dist.mesh import Topology, generations  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tpu_dist.mesh import Topology, generations, plan_mesh  # noqa: E402
 
 # (generation, libtpu topology, slices, extra libtpu arguments). Up to 8,192 devices.
 CASES = [
@@ -139,3 +141,65 @@ def test_wrong_devices_are_clear_errors() -> None:
         Topology.from_devices(v5p[:3])
     with pytest.raises(ValueError, match="same slice, chip coordinates and core"):
         Topology.from_devices([v5p[0], v5p[0], v5p[2], v5p[3]])
+
+
+# -- layouts on real device objects ----------------------------------------------------------
+
+
+def _ring_hops(devices: list, shape: tuple[int, ...]) -> list[int]:
+    """ICI hops between consecutive members of a group (closing the ring), on a full torus."""
+    hops = []
+    for a, b in zip(devices, devices[1:] + devices[:1]):
+        d = [abs(x - y) for x, y in zip(a.coords, b.coords)]
+        hops.append(sum(min(v, s - v) for v, s in zip(d, shape)))
+    return hops
+
+
+@pytest.mark.parametrize(
+    ("gen", "topo", "ici"),
+    [("v5p", "4x4x4", (1, 16, 4)), ("tpu7x", "4x4x4", (1, 16, 8))],
+)
+def test_plan_mesh_on_libtpu_devices(gen: str, topo: str, ici: tuple[int, ...]) -> None:
+    """(dp, fsdp, tp) over two slices: dp on DCN, fsdp and tp on ICI rings of one slice.
+
+    Compared with JAX's ``create_hybrid_device_mesh`` on the same devices: both put every ICI
+    group inside one slice and give each axis the same members (our plan starts from JAX's
+    torus assignment), but ours orders each tp and fsdp group as a ring of one-hop steps
+    (a snake through its torus axes), where JAX lists a plane row by row and some consecutive
+    members are two or more hops apart. Ring collectives along the axis then use only
+    neighbour links; the members and the DCN axis are the same, so ours is equal or better.
+    """
+    from jax.experimental import mesh_utils
+
+    devices = _libtpu_devices(gen, topo, 2, {})
+    topology = Topology.from_devices(devices)
+    dcn = (2, 1, 1)
+    ours = np.vectorize(lambda r: devices[r], otypes=[object])(plan_mesh(topology, ici, dcn))
+    theirs = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices)
+    shape = topology.shape
+    for mesh in (ours, theirs):
+        assert mesh.shape == (2, ici[1], ici[2])
+        # dp: the same chip and core in each slice, one per slice.
+        for f in range(ici[1]):
+            for t in range(ici[2]):
+                pair = mesh[:, f, t]
+                assert [d.slice_index for d in pair] == [0, 1]
+                assert pair[0].coords == pair[1].coords
+        # fsdp and tp groups stay inside one slice.
+        assert all(len({d.slice_index for d in mesh[s, :, t]}) == 1
+                   for s in range(2) for t in range(ici[2]))
+        assert all(len({d.slice_index for d in mesh[s, f, :]}) == 1
+                   for s in range(2) for f in range(ici[1]))
+
+    def members(mesh, axis):
+        groups = np.moveaxis(mesh, axis, -1).reshape(-1, mesh.shape[axis])
+        return sorted(sorted(d.id for d in g) for g in groups)
+
+    assert members(ours, 1) == members(theirs, 1) and members(ours, 2) == members(theirs, 2)
+    for axis in (1, 2):
+        our_hops = [h for g in np.moveaxis(ours, axis, -1).reshape(-1, ours.shape[axis])
+                    for h in _ring_hops(list(g), shape)]
+        their_hops = [h for g in np.moveaxis(theirs, axis, -1).reshape(-1, theirs.shape[axis])
+                      for h in _ring_hops(list(g), shape)]
+        assert max(our_hops) <= 1, (axis, our_hops)  # 0: the two cores of a TPU7x chip
+        assert sum(our_hops) <= sum(their_hops), (axis, sum(our_hops), sum(their_hops))
