@@ -345,6 +345,43 @@ def test_direct_exchanges_and_rings_agree_with_reference(world: World) -> None:
     assert world.run(_both_lowerings) == [[]] * 4
 
 
+def _tpu_wide_lowerings(rank: int, world_size: int) -> list[str]:
+    """On TPU, float64/int64 MIN/MAX all-reduces gather and reduce locally, and float64 and
+    complex reduce-scatters are an all-to-all and a local reduction (XLA:TPU's collectives
+    reject those types; tests/test_tpu_compile.py compiles them with libtpu). The same bodies,
+    forced here on CPU, against a float64/complex128 reference."""
+    from tpu_dist.collectives import _lowering
+
+    chosen = _lowering.avoids_tpu_wide_reductions
+    _lowering.avoids_tpu_wide_reductions = lambda key, devices: True
+    problems = []
+    try:
+        n = 13  # a size no other call here compiled
+        for dtype in (torch.float64, torch.int64):
+            for op in ("MAX", "MIN"):
+                rows = torch.stack([(torch.arange(n) * (r + 1)) % 7 - r for r in range(world_size)])
+                t = rows[rank].to(dtype).clone()
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                want = rows.amax(0) if op == "MAX" else rows.amin(0)
+                if not torch.equal(t, want.to(dtype)):
+                    problems.append(f"all_reduce {op} {dtype}: {t.tolist()} != {want.tolist()}")
+        for dtype in (torch.float64, torch.complex64):
+            full = torch.stack([torch.arange(world_size * 3) * (r + 1) for r in range(world_size)])
+            full = full.to(dtype) * (1 + 1j if dtype.is_complex else 1)
+            chunk = torch.empty(3, dtype=dtype)
+            dist.reduce_scatter_tensor(chunk, full[rank].clone())
+            want = full.sum(0).view(world_size, 3)[rank]
+            if not torch.equal(chunk, want):
+                problems.append(f"reduce_scatter SUM {dtype}: {chunk.tolist()} != {want.tolist()}")
+    finally:
+        _lowering.avoids_tpu_wide_reductions = chosen
+    return problems
+
+
+def test_tpu_lowerings_of_wide_dtypes_agree_with_reference(world: World) -> None:
+    assert world.run(_tpu_wide_lowerings) == [[]] * 4
+
+
 def _zero_copy(rank: int, world_size: int) -> list[str]:
     """Blocks go to JAX without a copy (DLPack), for every dtype a collective sends."""
     from tpu_dist.collectives import _runtime
