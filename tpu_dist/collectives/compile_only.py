@@ -27,6 +27,17 @@ followed by a ``send``/``recv`` pair handled by the multi-slice (MegaScale) runt
 ``_xla_megascale_target`` names the slices and the program devices it joins. Replica groups are
 positions in the program's device list (``devices[i]``), within one slice for multi-slice
 programs.
+
+Limits seen with libtpu 0.0.52 (for whoever compiles whole jobs this way):
+
+* A group spanning *some* slices of a larger multi-slice topology (slices 0 and 1 of 4) kills
+  the process in libtpu's cross-slice pass (SIGILL in ``ConstructLocalOffsetTable``), and
+  slices 1 and 3 of 4 fail with ``INVALID_ARGUMENT: Slice is empty``. Describe a topology with
+  exactly the slices the group spans (a group over slices {a, b} of a job compiles over
+  ``Topology.create(gen, shape, num_slices=2)``).
+* complex128 programs crash the TPU compiler; :func:`compile_collective` refuses them first.
+* With JAX's persistent compilation cache on (``JAX_COMPILATION_CACHE_DIR``), compile-only
+  executables are written to it and fail to load back (a warning, then a fresh compile).
 """
 
 from __future__ import annotations
