@@ -242,13 +242,18 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         global_ranks: Sequence[int],
         timeout: timedelta,
         store: dist.Store | None = None,
+        *,
+        devices: Sequence | None = None,
     ) -> None:
+        """``devices``: the JAX device of each group rank; default: the running runtime's."""
         super().__init__(rank, size)
         self._store = store
         self._delegates = {}  # device type -> the backend for its tensors (see _delegate)
-        devices = _runtime.global_devices()
         self._global_ranks = list(global_ranks)
-        self._devices = [devices[r] for r in self._global_ranks]
+        if devices is None:
+            every = _runtime.global_devices()
+            devices = [every[r] for r in self._global_ranks]
+        self._devices = list(devices)
         self._device_ids = tuple(d.id for d in self._devices)
         self._timeout = timeout
         self._group_name = ""
@@ -799,9 +804,10 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             "so both ends must be known. Pass src=, or use all_gather to learn who sends."
         )
 
-    def _queue_p2p(
-        self, op: str, tensors: list[torch.Tensor], peer: int, tag: int, *, is_send: bool
-    ) -> TPUWork:
+    def _check_p2p(
+        self, op: str, tensors: list[torch.Tensor], peer: int, *, is_send: bool
+    ) -> torch.Tensor:
+        """The one tensor of a send/recv to group rank ``peer``, checked."""
         tensor = _checks.check_single(op, tensors)
         _checks.check_rank(op, peer, self.size(), "dst" if is_send else "src")
         if peer == self.rank():
@@ -809,6 +815,12 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
                 f"{op}: rank {self.rank()} cannot {op} to itself on the 'tpu' backend; "
                 "copy the tensor locally instead."
             )
+        return tensor
+
+    def _queue_p2p(
+        self, op: str, tensors: list[torch.Tensor], peer: int, tag: int, *, is_send: bool
+    ) -> TPUWork:
+        tensor = self._check_p2p(op, tensors, peer, is_send=is_send)
         work = TPUWork(f"{op} (peer {peer}, tag {tag})", (), list, before_wait=_p2p_queue.flush)
         _p2p_queue.add(
             _P2POp(work, self, is_send, self._global_ranks[peer], int(tag), tensor)

@@ -69,11 +69,20 @@ def _create_process_group(
     JAX is imported here, not when tpu_dist is imported, so that importing
     tpu_dist (the launcher, tools) stays cheap.
     """
-    from tpu_dist.collectives import _runtime, _watchdog, flight_recorder
+    from tpu_dist.collectives import _runtime, _watchdog, compile_job, flight_recorder
     from tpu_dist.collectives._backend import ProcessGroupTPU
 
     rank, size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group)
+    if compile_job.enabled():
+        # tpu-launch --compile-only: record, do not run (no JAX runtime, no watchdog).
+        from tpu_dist.collectives._recording import RecordingProcessGroup
+
+        _, devices = compile_job.world_devices(size if not global_ranks else dist.get_world_size())
+        global_ranks = global_ranks or list(range(size))
+        return RecordingProcessGroup(
+            rank, size, global_ranks, dist_opts.timeout, [devices[r] for r in global_ranks]
+        )
     if not global_ranks:
         # The default group (torch passes no ranks for it): start JAX, or check
         # that the running JAX runtime has this world.

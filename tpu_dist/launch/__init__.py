@@ -57,6 +57,16 @@ worker would get; ``--plan-json FILE`` writes the same for every node and worker
 (``TPU_ACCELERATOR_TYPE``, ``TPU_WORKER_HOSTNAMES``, ``TPU_WORKER_ID``) a TPU host's launch is
 planned on any machine.
 
+Compile a job's collectives for its TPU topology without a TPU (libtpu's compile-only devices)::
+
+    tpu-launch --emulate tpu7x:16x16x16 --compile-only --compile-report plan.json train.py
+
+runs the script once, in one process, as rank ``--compile-rank`` (default 0) of the whole
+world, with "tpu" groups that record collectives instead of running them (values not
+meaningful), then compiles each recorded collective with libtpu's TPU compiler and prints a
+report (:mod:`tpu_dist.collectives.compile_job`). Exit 0 only if the script finished and every
+collective compiled.
+
 How a host finds out where it is
 ================================
 

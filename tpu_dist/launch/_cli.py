@@ -218,6 +218,33 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "without naming a backend.",
     )
     group.add_argument(
+        "--compile-only",
+        "--compile_only",
+        action="store_true",
+        help="Do not start the job: run the script once, in one process, as one rank "
+        "(--compile-rank) of the whole --emulate topology's world, with 'tpu' groups that record "
+        "collectives instead of running them (outputs have the right shapes, their values are "
+        "not meaningful), then compile every recorded collective with libtpu's TPU compiler for "
+        "the topology's devices and print a report. Needs libtpu (pip install "
+        "'tpu-dist[tpu-compile]'); no TPU. Exit 0 only if the script finished and every "
+        "collective compiled.",
+    )
+    group.add_argument(
+        "--compile-rank",
+        "--compile_rank",
+        type=int,
+        default=0,
+        metavar="R",
+        help="With --compile-only: the global rank the script runs as (default 0).",
+    )
+    group.add_argument(
+        "--compile-report",
+        "--compile_report",
+        default=None,
+        metavar="FILE",
+        help="With --compile-only: also write the report as JSON to FILE.",
+    )
+    group.add_argument(
         "--skip-preflight",
         "--skip_preflight",
         action="store_true",
@@ -285,6 +312,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as err:
         sys.stderr.write(f"tpu-launch: error: {err}\n")
         sys.exit(2)
+    if args.compile_only:
+        from tpu_dist.launch._compile_only import run_compile_only
+
+        try:
+            code = run_compile_only(
+                spec, environ, rank=args.compile_rank, report=args.compile_report
+            )
+        except ValueError as err:
+            sys.stderr.write(f"tpu-launch: error: {err}\n")
+            sys.exit(2)
+        sys.exit(code)
     if spec.preflight:
         problems = preflight(spec, worker_env)
     else:

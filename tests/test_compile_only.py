@@ -1,0 +1,210 @@
+"""``tpu-launch --compile-only``: recording, TPU compilation, report and exit codes.
+
+The job (``tests/compile_only_job.py``: FSDP2 x TP, DDP, object collectives, p2p, all-to-all)
+runs once on 4 real gloo ranks whose every process-group call is counted, and under
+``--compile-only`` as ranks 0 and 3 of the same 4-device topology: the recording must see
+exactly the calls, groups and bytes gloo saw. A 2-slice run checks the DCN column, and a run
+with a reduce-scatter larger than a v5e's HBM checks that a program the TPU compiler rejects is
+reported with the script line that issued it. All runs start together (each is one process,
+or four for gloo); libtpu's compile-only devices stand in for the TPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu (pip install libtpu)")
+
+from tpu_dist.collectives.compile_job import estimate_seconds  # noqa: E402
+from tpu_dist.mesh import Topology  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "compile_only_job.py")
+EXAMPLES = [os.path.join(ROOT, "examples", name) for name in ("train_fsdp.py", "train_fsdp_tp.py")]
+LAUNCH = [sys.executable, "-m", "tpu_dist.launch"]
+
+# The gloo process-group method -> the name the recording uses (torch's API name).
+_TORCH_NAME = {
+    "allreduce": "all_reduce",
+    "allreduce_coalesced": "all_reduce_coalesced",
+    "allgather": "all_gather",
+    "all_gather_single": "all_gather_into_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+    "alltoall": "all_to_all",
+}
+# Ops whose per-rank input bytes are the same on both sides (data-movement programs pad or send
+# a full block from every rank: scatter sends zeros from non-roots, barrier a token).
+_SAME_BYTES = {
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "broadcast", "all_to_all_single",
+}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, dict | None]]:
+    """Every launch of this module, started at once: name -> (exit code, output, JSON report)."""
+    tmp = tmp_path_factory.mktemp("compile_only")
+    counts = tmp / "counts"
+    counts.mkdir()
+    commands = {
+        "gloo": (
+            [*LAUNCH, "--nproc-per-node", "4", JOB, "--backend", "countgloo",
+             "--counts-dir", str(counts)],
+            _env(TPU_DIST_TOPOLOGY="v5p:2x2x1"),
+        ),
+        "rank0": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
+        "rank3": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--compile-rank", "3"],
+                  _env()),
+        "dcn": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "2", "--compile-only"],
+                _env()),
+        "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
+    }
+    extra_args = {"dcn": ["--dcn"], "too_big": ["--too-big"]}
+    procs = {}
+    for name, (cmd, env) in commands.items():
+        report = tmp / f"{name}.json"
+        if name != "gloo":
+            cmd = [*cmd, "--compile-report", str(report), JOB, *extra_args.get(name, [])]
+        procs[name] = (subprocess.Popen(
+            cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True,
+        ), report)
+    results = {}
+    for name, (proc, report) in procs.items():
+        out, _ = proc.communicate(timeout=600)
+        data = json.loads(report.read_text()) if report.exists() else None
+        results[name] = (proc.returncode, out, data)
+    results["gloo_counts"] = {
+        rank: json.loads((counts / f"rank{rank}.json").read_text())
+        for rank in range(4) if (counts / f"rank{rank}.json").exists()
+    }
+    return results
+
+
+def _recorded(report: dict) -> tuple[collections.Counter, collections.Counter]:
+    calls, data = collections.Counter(), collections.Counter()
+    for row in report["collectives"]:
+        calls[row["op"]] += row["count"]
+        if row["op"] in _SAME_BYTES:
+            data[row["op"]] += row["count"] * row["bytes_per_rank"]
+    return calls, data
+
+
+def _seen_by_gloo(entries: list[dict]) -> tuple[collections.Counter, collections.Counter]:
+    calls, data = collections.Counter(), collections.Counter()
+    for entry in entries:
+        op = _TORCH_NAME.get(entry["method"], entry["method"])
+        calls[op] += 1
+        if op in _SAME_BYTES:
+            data[op] += entry["bytes"]
+    return calls, data
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_recording_matches_what_gloo_sees(runs: dict, rank: int) -> None:
+    code, out, report = runs[f"rank{rank}"]
+    assert code == 0, out
+    assert runs["gloo"][0] == 0, runs["gloo"][1]
+    assert report["rank"] == rank and report["num_devices"] == 4
+    ours_calls, ours_bytes = _recorded(report)
+    gloo_calls, gloo_bytes = _seen_by_gloo(runs["gloo_counts"][rank])
+    assert ours_calls == gloo_calls
+    assert ours_bytes == gloo_bytes
+    assert "VALUES ARE NOT MEANINGFUL" in out and "no data moved" in out
+
+
+def test_report_fields_and_every_program_compiles(runs: dict) -> None:
+    code, out, report = runs["rank0"]
+    assert code == 0, out
+    assert report["topology"] == "v5p:2x2x1" and report["num_slices"] == 1
+    fields = {"op", "reduce_op", "group_size", "mesh_dim", "crosses_dcn", "bytes_per_rank",
+              "dtype", "count", "compiled", "hlo_collectives", "compile_seconds", "temp_bytes",
+              "est_seconds"}
+    for row in report["collectives"]:
+        assert fields <= set(row), row
+        assert row["compiled"] and row["hlo_collectives"], row
+        assert row["error"] is None
+        # The user's line (the job or the example code it calls), never tpu_dist's or torch's.
+        assert row["first_call"].split(":")[0] in (JOB, *EXAMPLES), row
+    dims = {row["mesh_dim"] for row in report["collectives"]}
+    assert {"dp", "tp"} <= dims
+    ops = {row["op"] for row in report["collectives"]}
+    assert {"send", "all_to_all_single", "reduce_scatter_tensor", "barrier"} <= ops
+
+
+def test_dcn_column_two_slices(runs: dict) -> None:
+    code, out, report = runs["dcn"]
+    assert code == 0, out
+    assert report["num_slices"] == 2 and report["num_devices"] == 8
+    by_dim = collections.defaultdict(set)
+    for row in report["collectives"]:
+        by_dim[row["mesh_dim"]].add(row["crosses_dcn"])
+    # dcn_mesh_shape=(2, 1): dp pairs the two slices, tp stays on one host's chips.
+    assert by_dim["dp"] == {True}
+    assert by_dim["tp"] == {False}
+    topo = Topology.parse("v5p:2x2x1", 2)
+    for row in report["collectives"]:
+        if row["mesh_dim"] == "dp" and row["op"] == "reduce_scatter_tensor":
+            # The DCN share dominates: over ICI alone the same bytes take far less.
+            ici_only = estimate_seconds("reduce_scatter", topo, [0, 1], row["bytes_per_rank"])
+            assert row["est_seconds"] > 10 * ici_only
+
+
+def test_uncompilable_program_is_named_with_its_line(runs: dict) -> None:
+    code, out, report = runs["too_big"]
+    assert code == 1, out
+    failed = [row for row in report["collectives"] if not row["compiled"]]
+    assert len(failed) == 1, report
+    (row,) = failed
+    assert row["op"] == "all_reduce" and row["bytes_per_rank"] == 9 << 30
+    assert "HBM" in row["error"]
+    with open(JOB) as f:
+        line = next(i for i, text in enumerate(f, 1) if "dist.all_reduce(big" in text)
+    assert row["first_call"].startswith(f"{JOB}:{line}")
+    assert "FAILED all_reduce" in out and "did not compile" in out
+    assert all(r["compiled"] for r in report["collectives"] if r is not row)
+
+
+def test_bad_requests_exit_2_before_starting() -> None:
+    for args, expected in (
+        (["--compile-only", JOB], "pass --emulate"),
+        (["--emulate", "v5p:2x2x1", "--compile-only", "--compile-rank", "4", JOB],
+         "outside 0..3"),
+    ):
+        proc = subprocess.run([*LAUNCH, *args], env=_env(), capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert expected in proc.stderr
+
+
+def test_estimate_follows_the_bandwidth_model() -> None:
+    topo = Topology.parse("v5p:4x4x4")
+    ring = [int(r) for r in topo.rank_grid()[0, :, 0, 0, 0]]  # 4 chips along x: a wrapped ring
+    b = 1 << 20
+    rs = estimate_seconds("reduce_scatter", topo, ring, b)
+    assert estimate_seconds("allreduce", topo, ring, b) == pytest.approx(2 * rs)
+    assert estimate_seconds("reduce_scatter", topo, ring, 2 * b) == pytest.approx(2 * rs)
+    # (n - 1) / n of the bytes at 2 x 100 GB/s (both directions of a 1200 GB/s / 6-port link).
+    assert rs == pytest.approx(0.75 * b / 200e9)
+    assert estimate_seconds("allgather", topo, ring, b) == pytest.approx(4 * rs)
+    # Two slices: the DCN cap (50 Gb/s per chip) rules.
+    two = Topology.parse("v5p:4x4x4", 2)
+    across = [0, two.num_devices // 2]
+    assert estimate_seconds("allreduce", two, across, b) == pytest.approx(b / 6.25e9)
+    # TPU7x's two TensorCores of one chip use no link.
+    assert estimate_seconds("allreduce", Topology.parse("tpu7x:2x2x1"), [0, 1], b) is None

@@ -1,0 +1,409 @@
+"""Compile-only mode: a job's collectives compiled for its TPU topology, without a TPU.
+
+``tpu-launch --emulate tpu7x:16x16x16 --compile-only train.py`` runs ``train.py`` once, in one
+process, as one rank (``--compile-rank``, default 0) of the whole world of the topology (8,192
+ranks there). With ``TPU_DIST_COMPILE_ONLY=1`` (which ``tpu-launch`` sets), every "tpu" process
+group of that process records its collectives instead of running them
+(:mod:`tpu_dist.collectives._recording`: same checks and programs as the real backend, outputs of
+the right shape, values not meaningful). Afterwards :func:`compile_recorded` compiles each
+distinct recorded program with libtpu's TPU compiler over compile-only TPU devices (``pip install
+libtpu``; no TPU needed), rank ``r`` driving the device that ``tpu-launch`` would give it (the
+chip :class:`tpu_dist.mesh.Topology` places rank ``r`` on), and :class:`CompileReport` says, per
+collective, whether it compiled, the HLO collectives it became, its scratch memory and an
+estimated time per call (:func:`estimate_seconds`).
+
+Only the process that runs the script calls any of this; there are no peers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from tpu_dist.mesh import Topology
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "COMPILE_ONLY_ENV",
+    "CompileReport",
+    "CompiledCall",
+    "compile_recorded",
+    "enabled",
+    "estimate_seconds",
+    "world_devices",
+    "write_report",
+]
+
+COMPILE_ONLY_ENV = "TPU_DIST_COMPILE_ONLY"
+"""``1``: "tpu" groups of this process record collectives instead of running them (set by
+``tpu-launch --compile-only``; the world's topology comes from ``TPU_DIST_TOPOLOGY`` /
+``TPU_DIST_NUM_SLICES``)."""
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TPU_DIST_COMPILE_ONLY`` asks for compile-only mode.
+
+    Raises:
+        ValueError: the variable is set to something other than 0 or 1.
+    """
+    raw = (os.environ if environ is None else environ).get(COMPILE_ONLY_ENV, "0").strip()
+    if raw not in ("0", "1", ""):
+        raise ValueError(f"{COMPILE_ONLY_ENV}={raw!r}: use 1 (compile-only mode) or 0 (off).")
+    return raw == "1"
+
+
+# -- the world's devices -------------------------------------------------------------------------
+
+_MULTIPLE_LOAD_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+_world: tuple[Topology, list[Any]] | None = None
+
+
+def _libtpu_name(topology: Topology) -> tuple[str, dict[str, Any]]:
+    """libtpu's name and keyword arguments for ``topology``'s slice."""
+    gen = topology.generation
+    name = "tpu7x" if gen.name == "v7x" else gen.name
+    kwargs: dict[str, Any] = {}
+    if gen.name == "v4":
+        kwargs["chip_config_name"] = "megacore"  # one device per chip, as tpu-launch runs v4
+    return f"{name}:{'x'.join(map(str, topology.shape))}", kwargs
+
+
+def world_devices(world_size: int) -> tuple[Topology, list[Any]]:
+    """The emulated topology and the compile-only TPU device of each global rank (cached).
+
+    Rank ``r`` gets the libtpu device on the slice, chip coordinates and core that
+    :class:`~tpu_dist.mesh.Topology` gives rank ``r`` (the chip ``tpu-launch`` gives it).
+
+    Raises:
+        RuntimeError: libtpu is not installed, or it cannot describe the topology.
+        ValueError: no topology is set, or it does not have ``world_size`` devices.
+    """
+    global _world
+    if _world is not None:
+        return _world
+    from tpu_dist.mesh import current_topology
+
+    topology = current_topology(world_size)
+    try:
+        from jax.experimental import topologies
+    except ImportError as err:  # pragma: no cover - jax is a dependency
+        raise RuntimeError(f"compile-only mode needs jax: {err}") from err
+    name, kwargs = _libtpu_name(topology)
+    if os.environ.get(_MULTIPLE_LOAD_ENV) is None:
+        # libtpu lets one process per machine use it (/tmp/libtpu_lockfile) to guard real
+        # chips; compile-only devices have none, and concurrent compile-only runs must coexist.
+        os.environ[_MULTIPLE_LOAD_ENV] = "1"
+        logger.info("tpu_dist compile-only: set %s=1 (no TPU is used)", _MULTIPLE_LOAD_ENV)
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=name, platform="tpu", num_slices=topology.num_slices, **kwargs
+        )
+    except Exception as err:
+        raise RuntimeError(
+            f"libtpu could not describe {name} x {topology.num_slices} slice(s) ({err}). "
+            "Compile-only mode needs libtpu's compile-only TPU devices: "
+            "pip install 'tpu-dist[tpu-compile]' (or pip install libtpu)."
+        ) from err
+    by_place = {}
+    cores = sorted({getattr(d, "core_on_chip", 0) for d in desc.devices})
+    for d in desc.devices:
+        place = (
+            getattr(d, "slice_index", 0) or 0,
+            tuple(d.coords)[: len(topology.shape)],
+            cores.index(getattr(d, "core_on_chip", 0)),
+        )
+        by_place[place] = d
+    devices = []
+    for rank in range(topology.num_devices):
+        place = (
+            int(topology.slice_of(rank)),
+            tuple(int(c) for c in topology.coords_of(rank)),
+            int(topology.core_of(rank)),
+        )
+        if place not in by_place:
+            raise RuntimeError(
+                f"libtpu's {name} x {topology.num_slices} has no device at slice {place[0]}, "
+                f"chip {place[1]}, core {place[2]} (rank {rank} of {topology.describe()}); "
+                "tpu_dist's topology model and libtpu disagree"
+            )
+        devices.append(by_place[place])
+    _world = (topology, devices)
+    return _world
+
+
+# -- compiling and estimating -------------------------------------------------------------------
+
+_HLO_COLLECTIVE = re.compile(
+    r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|"
+    r"collective-broadcast|ragged-all-to-all)(-start)?\("
+)
+
+
+def hlo_collectives(hlo_text: str) -> list[str]:
+    """The collective ops of an HLO module's text, each once, in order of appearance."""
+    seen: list[str] = []
+    for match in _HLO_COLLECTIVE.finditer(hlo_text):
+        if match.group(1) not in seen:
+            seen.append(match.group(1))
+    return seen
+
+
+# The program kind -> the benchmark's op whose bandwidth formula it follows, and how the op's
+# message size S relates to the bytes each rank passes in (b) on n ranks.
+_AS_BENCH_OP: dict[str, tuple[str, Callable[[int, int], int]]] = {
+    "allreduce": ("all_reduce", lambda b, n: b),
+    "barrier": ("all_reduce", lambda b, n: b),
+    "broadcast": ("all_reduce", lambda b, n: b),  # the backend's broadcast is a psum
+    "allgather": ("all_gather_into_tensor", lambda b, n: b * n),
+    "reduce_scatter": ("reduce_scatter_tensor", lambda b, n: b),
+    "alltoall": ("all_to_all_single", lambda b, n: b),
+    "scatter": ("all_to_all_single", lambda b, n: b),  # an all-to-all of the root's rows
+    "permute": ("send_recv", lambda b, n: b),
+}
+
+
+def estimate_seconds(
+    kind: str, topology: Topology, group_ranks: Sequence[int], bytes_per_rank: int
+) -> float | None:
+    """A bandwidth-only estimate of one call of a ``kind`` program over ``group_ranks``.
+
+    ``t = S * factor / busbw``: nccl-tests' bus-bandwidth convention read backwards, with
+    ``busbw`` the topology model's bound for the group (:func:`tpu_dist.bench.expected_busbw`:
+    ``L = ici_gbytes_per_s / ici_ports / 2`` GB/s per link and direction, ``2 L`` per spanned
+    torus axis that wraps around and ``L`` per one that does not, capped by DCN at
+    ``dcn_gbits_per_s / 8`` GB/s per chip when the group spans slices), ``factor`` the op's
+    (:func:`tpu_dist.bench.bus_factor`: ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for
+    an all-gather with ``S`` its output, a reduce-scatter and an all-to-all, 1 for a send) and
+    ``S`` the op's message size. Latency is ignored, so small messages come out near zero. None
+    when the group's devices share one chip (TPU7x's two TensorCores): no link is used.
+
+    Checked against the JAX scaling book ("How to Scale Your Model", the chapter on sharded
+    matrices): its all-gather of a 33.6 MB bf16[2048, 8192] array over a ring of 8 v5e chips
+    takes 373 us at 9e10 B/s per link (both directions); this gives 294 us over a v5e 2x4
+    (100 GB/s per link from Cloud's 400 GB/s per chip over 4 ports, and the (n - 1) / n factor
+    the book drops): 0.79x.
+    """
+    from tpu_dist.bench import bus_factor, expected_busbw
+
+    op, message = _AS_BENCH_OP[kind]
+    expectation = expected_busbw(topology, group_ranks, op)
+    if expectation is None:
+        return None
+    n = len(group_ranks)
+    size = message(bytes_per_rank, n)
+    return size * bus_factor(op, n) / (expectation.busbw_gbytes_per_s * 1e9)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompiledCall:
+    """One distinct recorded collective and what compiling it for TPU gave."""
+
+    op: str
+    """torch's name of the call (``all_reduce``, ``all_gather_into_tensor``, ``send``, ...)."""
+    reduce_op: str | None
+    group_size: int
+    mesh_dim: str | None
+    """The DeviceMesh dimension of the group, if it came from a DeviceMesh."""
+    crosses_dcn: bool
+    """Whether the group spans more than one slice."""
+    bytes_per_rank: int
+    dtype: str
+    """The element type of the program's blocks (data-movement programs move raw words)."""
+    count: int
+    """How many times the script issued it."""
+    compiled: bool
+    hlo_collectives: tuple[str, ...]
+    compile_seconds: float
+    temp_bytes: int | None
+    """Scratch memory of the compiled program (its memory analysis), None if it did not compile."""
+    est_seconds: float | None
+    """:func:`estimate_seconds` for one call (None: the group's devices share one chip)."""
+    program: str
+    """The program kind the backend runs for the call (its lowering)."""
+    first_call: str
+    """Where the script first issued it (``file:line (code)``)."""
+    error: str | None
+    """The compiler's message, if it did not compile."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"hlo_collectives": list(self.hlo_collectives)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileReport:
+    """What :func:`compile_recorded` found; :meth:`to_json` is the ``--compile-report`` file."""
+
+    topology: str
+    num_slices: int
+    num_devices: int
+    rank: int
+    collectives: tuple[CompiledCall, ...]
+    script_seconds: float
+    compile_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Every recorded collective compiled."""
+        return all(c.compiled for c in self.collectives)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "topology": self.topology,
+            "num_slices": self.num_slices,
+            "num_devices": self.num_devices,
+            "rank": self.rank,
+            "script_seconds": round(self.script_seconds, 3),
+            "compile_seconds": round(self.compile_seconds, 3),
+            "collectives": [c.to_json() for c in self.collectives],
+        }
+
+    def format_table(self) -> str:
+        """The report as a table for a terminal."""
+        head = (
+            f"compile-only report: rank {self.rank} of {self.num_devices} devices, "
+            f"{self.topology} x {self.num_slices} slice(s); no TPU was used and no data moved; "
+            f"script {self.script_seconds:.1f} s, compiling {self.compile_seconds:.1f} s"
+        )
+        cols = ("op", "reduce", "group", "dim", "dcn", "bytes/rank", "dtype", "calls",
+                "compiled", "HLO", "temp", "est/call")
+        rows = []
+        for c in self.collectives:
+            rows.append((
+                c.op, c.reduce_op or "-", str(c.group_size), c.mesh_dim or "-",
+                "yes" if c.crosses_dcn else "no", _human_bytes(c.bytes_per_rank), c.dtype,
+                str(c.count), "yes" if c.compiled else "NO",
+                ",".join(c.hlo_collectives) or "-",
+                _human_bytes(c.temp_bytes) if c.temp_bytes is not None else "-",
+                _human_seconds(c.est_seconds) if c.est_seconds is not None else "on-chip",
+            ))
+        widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+                  for i, h in enumerate(cols)]
+        lines = [head, ""]
+        lines.append("  ".join(h.ljust(w) for h, w in zip(cols, widths)))
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in rows]
+        if not rows:
+            lines.append("(the script issued no collective on a 'tpu' group)")
+        for c in self.collectives:
+            if not c.compiled:
+                lines.append(f"\nFAILED {c.op} over {c.group_size} devices, first issued at "
+                             f"{c.first_call}:\n  {c.error}")
+        lines.append("")
+        lines.append("est/call: message size over the topology model's bus-bandwidth bound "
+                     "(ICI/DCN link speeds, latency ignored; tpu_dist.collectives.compile_job."
+                     "estimate_seconds); temp: the program's scratch memory on each device.")
+        return "\n".join(lines)
+
+
+def _human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _human_seconds(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def compile_recorded(
+    rank: int,
+    script_seconds: float = 0.0,
+    progress: Callable[[str], None] | None = None,
+) -> CompileReport:
+    """Compile every distinct collective this process recorded; identical programs compile once.
+
+    Args:
+        rank: The global rank the script ran as.
+        script_seconds: How long the script ran (for the report).
+        progress: Called with one line per program compiled (default: stderr).
+    """
+    from tpu_dist.collectives import _lowering
+    from tpu_dist.collectives._recording import recorder
+
+    if progress is None:
+        def progress(line: str) -> None:
+            print(line, file=sys.stderr, flush=True)
+
+    calls = recorder.recorded()
+    if _world is None:
+        raise RuntimeError(
+            "compile_recorded: no 'tpu' process group was created in compile-only mode "
+            f"({COMPILE_ONLY_ENV}=1 before init_process_group('tpu'))"
+        )
+    topology, devices = _world
+    by_id = {d.id: d for d in devices}
+    programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
+    started = time.monotonic()
+    distinct = list(dict.fromkeys(c.key for c in calls))
+    for i, key in enumerate(distinct, 1):
+        group = [by_id[d] for d in key.devices]
+        t0 = time.monotonic()
+        try:
+            compiled = _lowering._compile(key, group)
+            text = compiled.as_text()
+            memory = compiled.memory_analysis()
+            temp = int(getattr(memory, "temp_size_in_bytes", 0)) if memory is not None else None
+            programs[key] = (True, tuple(hlo_collectives(text)), time.monotonic() - t0, temp, None)
+            state = "ok"
+        except Exception as err:  # the compiler's own error, reported per program
+            message = " ".join(str(err).split())[:800]
+            programs[key] = (False, (), time.monotonic() - t0, None, message)
+            state = "FAILED"
+        progress(
+            f"tpu-launch --compile-only: [{i}/{len(distinct)}] {key.kind} over {len(group)} "
+            f"devices: {state} in {time.monotonic() - t0:.2f} s"
+        )
+    compile_seconds = time.monotonic() - started
+    rows = []
+    for call in calls:
+        ok, hlo, seconds, temp, error = programs[call.key]
+        slices = {int(topology.slice_of(r)) for r in call.group_ranks}
+        rows.append(CompiledCall(
+            op=call.op,
+            reduce_op=call.reduce_op,
+            group_size=len(call.group_ranks),
+            mesh_dim=call.mesh_dim,
+            crosses_dcn=len(slices) > 1,
+            bytes_per_rank=call.bytes_per_rank,
+            dtype=call.dtype,
+            count=call.count,
+            compiled=ok,
+            hlo_collectives=hlo,
+            compile_seconds=round(seconds, 3),
+            temp_bytes=temp,
+            est_seconds=estimate_seconds(
+                call.key.kind, topology, call.group_ranks, call.bytes_per_rank
+            ),
+            program=call.key.kind,
+            first_call=str(call.first_site) if call.first_site else "?",
+            error=error,
+        ))
+    name, _ = _libtpu_name(topology)
+    return CompileReport(
+        topology=name,
+        num_slices=topology.num_slices,
+        num_devices=topology.num_devices,
+        rank=rank,
+        collectives=tuple(rows),
+        script_seconds=script_seconds,
+        compile_seconds=compile_seconds,
+    )
+
+
+def write_report(report: CompileReport, path: str) -> None:
+    """Write ``report`` as JSON to ``path``."""
+    with open(path, "w") as f:
+        json.dump(report.to_json(), f, indent=1)
+        f.write("\n")
+

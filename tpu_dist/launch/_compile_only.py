@@ -1,0 +1,175 @@
+"""``tpu-launch --compile-only``: run the script once as one rank, then compile its collectives.
+
+The launcher side (:func:`run_compile_only`) checks the request and starts ONE process, this
+module run as ``python -m tpu_dist.launch._compile_only``, with the environment the chosen rank
+would get on the real job (``RANK``, ``WORLD_SIZE`` = every device of the topology,
+``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` of its host, ``TPU_DIST_TOPOLOGY``,
+``TPU_DIST_NUM_SLICES``) plus ``TPU_DIST_COMPILE_ONLY=1``. That process hosts a c10d store for
+itself (every rank of the world would otherwise have to connect), runs the script, then compiles
+and reports through :mod:`tpu_dist.collectives.compile_job`.
+
+Exit code: 0 when the script finished (exit 0) and every collective compiled; the script's own
+code when it failed; 1 when a collective did not compile or nothing was recorded; 2 for a bad
+request (nothing started).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+
+from tpu_dist.launch._config import LaunchSpec
+from tpu_dist.launch._env import compute_worker_env
+
+__all__ = ["run_compile_only"]
+
+
+def _check(spec: LaunchSpec, rank: int) -> int:
+    """The world size; raises ValueError for a request compile-only mode cannot run."""
+    if spec.mode != "emulate" or spec.slice is None or spec.topology is None:
+        raise ValueError(
+            "--compile-only compiles for a TPU topology: pass --emulate TOPOLOGY (e.g. "
+            "--emulate v5p:4x4x4 or --emulate tpu7x:16x16x16) and, for multislice, --num-slices"
+        )
+    if spec.entry.kind not in ("python", "module", "run_path"):
+        raise ValueError(
+            "--compile-only runs a Python script or module in one process; --no-python "
+            f"({spec.entry.target}) cannot be run that way"
+        )
+    world = spec.slice.num_devices * spec.num_slices
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"--compile-rank {rank} is outside 0..{world - 1} for {spec.topology} x "
+            f"{spec.num_slices} slice(s) ({world} devices, one rank each)"
+        )
+    return world
+
+
+def run_compile_only(
+    spec: LaunchSpec, environ: Mapping[str, str], *, rank: int, report: str | None
+) -> int:
+    """Run the compile-only process for ``spec`` as global ``rank``; returns the exit code.
+
+    Raises:
+        ValueError: not an emulated topology, a non-Python entry point, or a rank outside the
+            world (nothing is started).
+    """
+    world = _check(spec, rank)
+    per_host = spec.slice.chips_per_host * spec.slice.devices_per_chip
+    env = dict(environ)
+    env.update(compute_worker_env(spec, environ).shared)
+    env.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank % per_host),
+        LOCAL_WORLD_SIZE=str(per_host),
+        GROUP_RANK=str(rank // per_host),
+        ROLE_RANK=str(rank),
+        TORCHELASTIC_RESTART_COUNT="0",
+        TPU_DIST_COMPILE_ONLY="1",
+        # libtpu's one-process-per-machine lock guards real chips; there are none here.
+        ALLOW_MULTIPLE_LIBTPU_LOAD=env.get("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+        JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
+    )
+    entry = spec.entry
+    mode = "module" if entry.kind == "module" else "python"
+    command = [entry.python, "-u", "-m", "tpu_dist.launch._compile_only"]
+    if report:
+        command += ["--report", os.path.abspath(report)]
+    command += [mode, entry.target, *entry.args]
+    return subprocess.call(command, env=env)
+
+
+# -- the compile-only process ---------------------------------------------------------------
+
+
+def _serve_store() -> object:
+    """A c10d store for this process alone; ``init_process_group`` (env://) connects to it."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(store.port)
+    # Every rank is a client of an outside store, as under tpu-launch / torchrun.
+    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"
+    return store
+
+
+def _run_script(mode: str, target: str, args: list[str]) -> int:
+    import runpy
+    import traceback
+
+    sys.argv = [target, *args]
+    try:
+        if mode == "module":
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:  # the script's own failure: show it as Python would, then report
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tpu_dist.launch._compile_only [--report FILE] {python|module} TARGET ARGS...``"""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    report_path = None
+    if argv[:1] == ["--report"]:
+        report_path, argv = argv[1], argv[2:]
+    if len(argv) < 2 or argv[0] not in ("python", "module"):
+        print(__doc__, file=sys.stderr)
+        return 2
+    mode, target, args = argv[0], argv[1], argv[2:]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    topology = os.environ.get("TPU_DIST_TOPOLOGY")
+    slices = os.environ.get("TPU_DIST_NUM_SLICES", "1")
+    print(
+        f"tpu-launch --compile-only: running {target} as rank {rank} of {world} "
+        f"({topology} x {slices} slice(s)) in one process. No TPU is used and no data moves: "
+        "every collective on a 'tpu' group is recorded and returns at once with outputs of the "
+        "right shape whose VALUES ARE NOT MEANINGFUL.",
+        file=sys.stderr,
+        flush=True,
+    )
+    store = _serve_store()
+    started = time.monotonic()
+    code = _run_script(mode, target, args)
+    script_seconds = time.monotonic() - started
+    from tpu_dist.collectives import compile_job
+
+    try:
+        report = compile_job.compile_recorded(rank, script_seconds)
+    except RuntimeError as err:
+        print(f"tpu-launch --compile-only: {err}", file=sys.stderr)
+        return code or 1
+    sys.stdout.write(report.format_table() + "\n")
+    if report_path:
+        compile_job.write_report(report, report_path)
+        print(f"tpu-launch --compile-only: wrote {report_path}", file=sys.stderr)
+    del store
+    if code:
+        print(f"tpu-launch --compile-only: the script exited with code {code}", file=sys.stderr)
+        return code
+    if not report.ok:
+        failed = sum(not c.compiled for c in report.collectives)
+        print(f"tpu-launch --compile-only: {failed} collective(s) did not compile", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
