@@ -129,8 +129,10 @@ def main() -> None:
                                       devices=["cpu"])
     dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh((world // 2, 2), ("dp", "tp"),
-                            dcn_mesh_shape=(2, 1) if args.dcn else None)
+    if args.dcn:  # per slice (world / 4, 2), and the two slices stacked along dp
+        mesh = init_device_mesh((world // 4, 2), ("dp", "tp"), dcn_mesh_shape=(2, 1))
+    else:
+        mesh = init_device_mesh((world // 2, 2), ("dp", "tp"))
 
     # FSDP2 over dp x TP over tp, one step (examples/train_fsdp_tp.py's plan).
     from torch.distributed.fsdp import fully_shard

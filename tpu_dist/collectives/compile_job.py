@@ -19,17 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
-import re
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tpu_dist.mesh import Topology
-
-logger = logging.getLogger(__name__)
 
 __all__ = [
     "COMPILE_ONLY_ENV",
@@ -62,25 +58,20 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
 
 # -- the world's devices -------------------------------------------------------------------------
 
-_MULTIPLE_LOAD_ENV = "ALLOW_MULTIPLE_LIBTPU_LOAD"
 _world: tuple[Topology, list[Any]] | None = None
 
 
-def _libtpu_name(topology: Topology) -> tuple[str, dict[str, Any]]:
-    """libtpu's name and keyword arguments for ``topology``'s slice."""
-    gen = topology.generation
-    name = "tpu7x" if gen.name == "v7x" else gen.name
-    kwargs: dict[str, Any] = {}
-    if gen.name == "v4":
-        kwargs["chip_config_name"] = "megacore"  # one device per chip, as tpu-launch runs v4
-    return f"{name}:{'x'.join(map(str, topology.shape))}", kwargs
+def _libtpu_topology(topology: Topology) -> str:
+    """The topology as libtpu names it (``tpu7x:16x16x16``)."""
+    return f"{topology.generation.libtpu_name}:{topology.topology}"
 
 
 def world_devices(world_size: int) -> tuple[Topology, list[Any]]:
     """The emulated topology and the compile-only TPU device of each global rank (cached).
 
     Rank ``r`` gets the libtpu device on the slice, chip coordinates and core that
-    :class:`~tpu_dist.mesh.Topology` gives rank ``r`` (the chip ``tpu-launch`` gives it).
+    :class:`~tpu_dist.mesh.Topology` gives rank ``r`` (the chip ``tpu-launch`` gives it; see
+    :func:`tpu_dist.collectives.compile_only.topology_devices`).
 
     Raises:
         RuntimeError: libtpu is not installed, or it cannot describe the topology.
@@ -89,72 +80,24 @@ def world_devices(world_size: int) -> tuple[Topology, list[Any]]:
     global _world
     if _world is not None:
         return _world
+    from tpu_dist.collectives.compile_only import topology_devices
     from tpu_dist.mesh import current_topology
 
     topology = current_topology(world_size)
     try:
-        from jax.experimental import topologies
-    except ImportError as err:  # pragma: no cover - jax is a dependency
-        raise RuntimeError(f"compile-only mode needs jax: {err}") from err
-    name, kwargs = _libtpu_name(topology)
-    if os.environ.get(_MULTIPLE_LOAD_ENV) is None:
-        # libtpu lets one process per machine use it (/tmp/libtpu_lockfile) to guard real
-        # chips; compile-only devices have none, and concurrent compile-only runs must coexist.
-        os.environ[_MULTIPLE_LOAD_ENV] = "1"
-        logger.info("tpu_dist compile-only: set %s=1 (no TPU is used)", _MULTIPLE_LOAD_ENV)
-    try:
-        desc = topologies.get_topology_desc(
-            topology_name=name, platform="tpu", num_slices=topology.num_slices, **kwargs
-        )
+        devices = topology_devices(topology)
+    except ImportError as err:
+        raise RuntimeError(f"compile-only mode: {err}") from err
     except Exception as err:
         raise RuntimeError(
-            f"libtpu could not describe {name} x {topology.num_slices} slice(s) ({err}). "
-            "Compile-only mode needs libtpu's compile-only TPU devices: "
-            "pip install 'tpu-dist[tpu-compile]' (or pip install libtpu)."
+            f"libtpu could not describe {_libtpu_topology(topology)} x {topology.num_slices} "
+            f"slice(s): {err}"
         ) from err
-    by_place = {}
-    cores = sorted({getattr(d, "core_on_chip", 0) for d in desc.devices})
-    for d in desc.devices:
-        place = (
-            getattr(d, "slice_index", 0) or 0,
-            tuple(d.coords)[: len(topology.shape)],
-            cores.index(getattr(d, "core_on_chip", 0)),
-        )
-        by_place[place] = d
-    devices = []
-    for rank in range(topology.num_devices):
-        place = (
-            int(topology.slice_of(rank)),
-            tuple(int(c) for c in topology.coords_of(rank)),
-            int(topology.core_of(rank)),
-        )
-        if place not in by_place:
-            raise RuntimeError(
-                f"libtpu's {name} x {topology.num_slices} has no device at slice {place[0]}, "
-                f"chip {place[1]}, core {place[2]} (rank {rank} of {topology.describe()}); "
-                "tpu_dist's topology model and libtpu disagree"
-            )
-        devices.append(by_place[place])
     _world = (topology, devices)
     return _world
 
 
 # -- compiling and estimating -------------------------------------------------------------------
-
-_HLO_COLLECTIVE = re.compile(
-    r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute|"
-    r"collective-broadcast|ragged-all-to-all)(-start)?\("
-)
-
-
-def hlo_collectives(hlo_text: str) -> list[str]:
-    """The collective ops of an HLO module's text, each once, in order of appearance."""
-    seen: list[str] = []
-    for match in _HLO_COLLECTIVE.finditer(hlo_text):
-        if match.group(1) not in seen:
-            seen.append(match.group(1))
-    return seen
-
 
 # The program kind -> the benchmark's op whose bandwidth formula it follows, and how the op's
 # message size S relates to the bytes each rank passes in (b) on n ranks.
@@ -328,8 +271,8 @@ def compile_recorded(
         script_seconds: How long the script ran (for the report).
         progress: Called with one line per program compiled (default: stderr).
     """
-    from tpu_dist.collectives import _lowering
     from tpu_dist.collectives._recording import recorder
+    from tpu_dist.collectives.compile_only import compile_collective
 
     if progress is None:
         def progress(line: str) -> None:
@@ -350,11 +293,9 @@ def compile_recorded(
         group = [by_id[d] for d in key.devices]
         t0 = time.monotonic()
         try:
-            compiled = _lowering._compile(key, group)
-            text = compiled.as_text()
-            memory = compiled.memory_analysis()
-            temp = int(getattr(memory, "temp_size_in_bytes", 0)) if memory is not None else None
-            programs[key] = (True, tuple(hlo_collectives(text)), time.monotonic() - t0, temp, None)
+            result = compile_collective(key, group)
+            ops = tuple(dict.fromkeys(c.op for c in result.collectives))
+            programs[key] = (True, ops, time.monotonic() - t0, result.temp_bytes, None)
             state = "ok"
         except Exception as err:  # the compiler's own error, reported per program
             message = " ".join(str(err).split())[:800]
@@ -389,9 +330,8 @@ def compile_recorded(
             first_call=str(call.first_site) if call.first_site else "?",
             error=error,
         ))
-    name, _ = _libtpu_name(topology)
     return CompileReport(
-        topology=name,
+        topology=_libtpu_topology(topology),
         num_slices=topology.num_slices,
         num_devices=topology.num_devices,
         rank=rank,

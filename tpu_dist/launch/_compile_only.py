@@ -72,6 +72,9 @@ def run_compile_only(
         TPU_DIST_COMPILE_ONLY="1",
         # libtpu's one-process-per-machine lock guards real chips; there are none here.
         ALLOW_MULTIPLE_LIBTPU_LOAD=env.get("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
+        # JAX's persistent cache cannot load compile-only executables back (libtpu 0.0.52):
+        # writing them costs time and every later read warns.
+        JAX_ENABLE_COMPILATION_CACHE="false",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
     )
     entry = spec.entry
