@@ -123,6 +123,9 @@ def main() -> None:
     parser.add_argument("--too-big", action="store_true",
                         help="also an all_reduce of 9 GiB per rank (input and output do not fit "
                         "a v5e's 16 GiB of HBM)")
+    parser.add_argument("--partial-slices", action="store_true",
+                        help="also an all_reduce over the first two of the topology's slices "
+                        "(libtpu 0.0.52's compiler crashes on it)")
     args = parser.parse_args()
     if args.backend == "countgloo":
         dist.Backend.register_backend("countgloo", _create_counting_gloo, extended_api=True,
@@ -162,6 +165,10 @@ def main() -> None:
         dist.recv(torch.empty(5), src=peer, tag=3)
     out = torch.empty(8)
     dist.all_to_all_single(out, torch.arange(8, dtype=torch.float32), group=mesh.get_group("tp"))
+    if args.partial_slices:
+        half = dist.new_group(list(range(world // 2)))  # slices 0 and 1 of 4
+        if rank < world // 2:
+            dist.all_reduce(torch.ones(4), group=half)
     dist.barrier()
     if args.too_big:
         big = torch.empty((9 << 30) // 4)  # never written under --compile-only: address space

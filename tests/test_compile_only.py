@@ -73,8 +73,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         "dcn": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "2", "--compile-only"],
                 _env()),
         "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
+        "crash": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "4", "--compile-only"],
+                  _env()),
     }
-    extra_args = {"dcn": ["--dcn"], "too_big": ["--too-big"]}
+    extra_args = {"dcn": ["--dcn"], "too_big": ["--too-big"], "crash": ["--partial-slices"]}
     procs = {}
     for name, (cmd, env) in commands.items():
         report = tmp / f"{name}.json"
@@ -178,6 +180,17 @@ def test_uncompilable_program_is_named_with_its_line(runs: dict) -> None:
     assert row["first_call"].startswith(f"{JOB}:{line}")
     assert "FAILED all_reduce" in out and "did not compile" in out
     assert all(r["compiled"] for r in report["collectives"] if r is not row)
+
+
+def test_a_compiler_crash_fails_its_program_not_the_report(runs: dict) -> None:
+    code, out, report = runs["crash"]
+    assert code == 1, out
+    failed = [row for row in report["collectives"] if not row["compiled"]]
+    assert [(row["op"], row["group_size"]) for row in failed] == [("all_reduce", 8)], report
+    assert "crashed" in failed[0]["error"]
+    # The programs after it were compiled by a new compiler process.
+    barrier = [row for row in report["collectives"] if row["op"] == "barrier"]
+    assert barrier and barrier[0]["compiled"] and barrier[0]["crosses_dcn"]
 
 
 def test_bad_requests_exit_2_before_starting() -> None:

@@ -7,7 +7,8 @@ group of that process records its collectives instead of running them
 (:mod:`tpu_dist.collectives._recording`: same checks and programs as the real backend, outputs of
 the right shape, values not meaningful). Afterwards :func:`compile_recorded` compiles each
 distinct recorded program with libtpu's TPU compiler over compile-only TPU devices (``pip install
-libtpu``; no TPU needed), rank ``r`` driving the device that ``tpu-launch`` would give it (the
+libtpu``; no TPU needed; in a child process, so that a compiler crash fails one program, not the
+run), rank ``r`` driving the device that ``tpu-launch`` would give it (the
 chip :class:`tpu_dist.mesh.Topology` places rank ``r`` on), and :class:`CompileReport` says, per
 collective, whether it compiled, the HLO collectives it became, its scratch memory and an
 estimated time per call (:func:`estimate_seconds`).
@@ -259,6 +260,81 @@ def _human_seconds(s: float) -> str:
     return f"{s * 1e9:.3g} ns"
 
 
+_Outcome = tuple  # (compiled, HLO collective ops, seconds, temp bytes, error)
+
+
+def _compile_in_child(conn: Any, spec: str, num_slices: int) -> None:
+    """The compiler process: describe the topology once, then compile each key it is sent."""
+    from tpu_dist.collectives.compile_only import compile_collective, topology_devices
+
+    by_id = {d.id: d for d in topology_devices(Topology.parse(spec, num_slices))}
+    while True:
+        key = conn.recv()
+        if key is None:
+            return
+        t0 = time.monotonic()
+        try:
+            result = compile_collective(key, [by_id[d] for d in key.devices])
+            ops = tuple(dict.fromkeys(c.op for c in result.collectives))
+            conn.send((True, ops, time.monotonic() - t0, result.temp_bytes, None))
+        except Exception as err:  # the compiler's own error, reported per program
+            message = " ".join(str(err).split())[:800]
+            conn.send((False, (), time.monotonic() - t0, None, message))
+
+
+class _Compiler:
+    """Compiles programs in a child process, so that a crash of libtpu's compiler (libtpu
+    0.0.52 dies of SIGILL on some multi-slice groups) fails that program, not the report;
+    a new child takes the next program."""
+
+    def __init__(self, topology: Topology) -> None:
+        self._spec, self._slices = topology.spec, topology.num_slices
+        self._proc: Any = None
+        self._conn: Any = None
+
+    def _start(self) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_compile_in_child, args=(child, self._spec, self._slices), daemon=True,
+            name="tpu_dist-compiler",
+        )
+        self._proc.start()
+        child.close()
+
+    def compile(self, key: Any) -> _Outcome:
+        if self._proc is None:
+            self._start()
+        t0 = time.monotonic()
+        self._conn.send(key)
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                break
+        if self._conn.poll():
+            try:
+                return self._conn.recv()
+            except EOFError:
+                pass
+        self._proc.join(5)
+        code = self._proc.exitcode
+        self._proc = self._conn = None
+        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return (False, (), time.monotonic() - t0, None,
+                f"libtpu's TPU compiler crashed ({how}) while compiling this program; "
+                "nothing the backend can catch (see the limits in "
+                "tpu_dist.collectives.compile_only)")
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._conn.send(None)
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc = self._conn = None
+
+
 def compile_recorded(
     rank: int,
     script_seconds: float = 0.0,
@@ -272,7 +348,6 @@ def compile_recorded(
         progress: Called with one line per program compiled (default: stderr).
     """
     from tpu_dist.collectives._recording import recorder
-    from tpu_dist.collectives.compile_only import compile_collective
 
     if progress is None:
         def progress(line: str) -> None:
@@ -284,27 +359,21 @@ def compile_recorded(
             "compile_recorded: no 'tpu' process group was created in compile-only mode "
             f"({COMPILE_ONLY_ENV}=1 before init_process_group('tpu'))"
         )
-    topology, devices = _world
-    by_id = {d.id: d for d in devices}
+    topology, _ = _world
     programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
     started = time.monotonic()
     distinct = list(dict.fromkeys(c.key for c in calls))
-    for i, key in enumerate(distinct, 1):
-        group = [by_id[d] for d in key.devices]
-        t0 = time.monotonic()
-        try:
-            result = compile_collective(key, group)
-            ops = tuple(dict.fromkeys(c.op for c in result.collectives))
-            programs[key] = (True, ops, time.monotonic() - t0, result.temp_bytes, None)
-            state = "ok"
-        except Exception as err:  # the compiler's own error, reported per program
-            message = " ".join(str(err).split())[:800]
-            programs[key] = (False, (), time.monotonic() - t0, None, message)
-            state = "FAILED"
-        progress(
-            f"tpu-launch --compile-only: [{i}/{len(distinct)}] {key.kind} over {len(group)} "
-            f"devices: {state} in {time.monotonic() - t0:.2f} s"
-        )
+    compiler = _Compiler(topology)
+    try:
+        for i, key in enumerate(distinct, 1):
+            programs[key] = outcome = compiler.compile(key)
+            state = "ok" if outcome[0] else "FAILED"
+            progress(
+                f"tpu-launch --compile-only: [{i}/{len(distinct)}] {key.kind} over "
+                f"{len(key.devices)} devices: {state} in {outcome[2]:.2f} s"
+            )
+    finally:
+        compiler.close()
     compile_seconds = time.monotonic() - started
     rows = []
     for call in calls:
