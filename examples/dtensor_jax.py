@@ -11,6 +11,9 @@ autograd on DTensors computes the same gradient, as a check.
     tpu-launch --nproc-per-node 4 examples/dtensor_jax.py
     torchrun --nproc-per-node 4 examples/dtensor_jax.py --steps 30
 
+Unlike the other examples it runs only on the "tpu" backend (``--backend gloo`` is refused
+with the reason): the JAX side needs the JAX devices of "tpu" groups.
+
 Rank 0 prints the layouts, one line per step, and, last, ``final loss X after N steps``.
 """
 
@@ -31,7 +34,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lr", type=float, default=1.0)
+    parser.add_argument("--backend", default="tpu", help="c10d backend: only tpu (see below)")
     args = parser.parse_args(argv)
+    if args.backend != "tpu":
+        parser.error(f"--backend {args.backend}: this example needs the 'tpu' backend, because to_jax "
+                     "and from_jax hand a DTensor's shards to the JAX devices that backend owns (a "
+                     f"{args.backend} group has none); the other examples run on gloo too")
 
     dist.init_process_group("tpu")  # to_jax needs the "tpu" backend's JAX devices
     import jax  # after init_process_group: tpu_dist starts JAX's distributed runtime

@@ -21,6 +21,10 @@ the numbers an uninterrupted run has)::
     tpu-launch --nproc-per-node 4 examples/train_fsdp.py --steps 10 --checkpoint-dir /tmp/ckpt
     tpu-launch --nproc-per-node 4 examples/train_fsdp.py --steps 20 --checkpoint-dir /tmp/ckpt --resume
 
+A resume that finds the checkpoint already at ``--steps`` trains nothing, says so, and reports
+the checkpoint's loss as the final one. Saving into a directory that already holds a later step
+(an earlier run's) warns on stderr, because ``--resume`` would load that later step.
+
 Rank 0 prints one line per step (step, loss of the global batch, tokens/s of the whole job)
 and, last, ``final loss X after N steps``.
 """
@@ -34,6 +38,7 @@ import dataclasses
 import io
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -247,33 +252,48 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
                        ffn_hidden=2 * args.dim, max_seq_len=max(64, args.seq_len))
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-    """Save the sharded model and optimizer with DCP: every rank writes its shards."""
+def save_checkpoint(
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, loss: float
+) -> None:
+    """Save the sharded model and optimizer, the step and its loss with DCP: every rank writes
+    its shards."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optim_state, "step": torch.tensor(step)}, checkpoint_id=path)
+    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step), "loss": torch.tensor(loss)}
+    dcp.save(state, checkpoint_id=path)
+
+
+def saved_steps(directory: str) -> list[int]:
+    """The N of every ``directory/step-N``, ascending (none if the directory does not exist)."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(name[5:]) for name in os.listdir(directory) if name.startswith("step-") and name[5:].isdigit())
 
 
 def latest_checkpoint(directory: str) -> str:
     """The newest ``directory/step-N`` (highest N)."""
-    steps = [int(name[5:]) for name in os.listdir(directory) if name.startswith("step-") and name[5:].isdigit()]
+    steps = saved_steps(directory)
     if not steps:
         raise FileNotFoundError(f"no step-N checkpoint in {directory!r} to resume from")
-    return os.path.join(directory, f"step-{max(steps)}")
+    return os.path.join(directory, f"step-{steps[-1]}")
 
 
-def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load what :func:`save_checkpoint` saved, resharded onto this run's model; the step."""
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, float | None]:
+    """Load what :func:`save_checkpoint` saved, resharded onto this run's model; the step and
+    its loss (None for a checkpoint saved without one)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0)}
-    dcp.load(state, checkpoint_id=path)
+    nan = float("nan")
+    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(0), "loss": torch.tensor(nan)}
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return int(state["step"])
+    loss = float(state["loss"])
+    return int(state["step"]), None if loss != loss else loss
 
 
 def global_mean(value: torch.Tensor, group: dist.ProcessGroup | None = None) -> float:
@@ -294,22 +314,27 @@ def train(
     dp_size: int,
     dp_group: dist.ProcessGroup | None,
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-) -> float:
-    """The training loop shared by the examples; returns the final loss.
+) -> tuple[float | None, int]:
+    """The training loop shared by the examples; returns the final loss and the step it is of.
+
+    When a resumed checkpoint is already at ``--steps`` or past it, nothing is trained and the
+    checkpoint's own loss and step are returned (the loss is None if it holds none).
 
     ``loss_context`` wraps the loss and its backward (``loss_parallel`` for vocab-sharded
     logits).
     """
     rank = dist.get_rank()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    start = 0
+    start, final = 0, None
     if args.resume:
         path = latest_checkpoint(args.checkpoint_dir)
-        start = load_checkpoint(path, model, optimizer)
+        start, final = load_checkpoint(path, model, optimizer)
         if rank == 0:
             print(f"resumed from {path} at step {start}", flush=True)
+            if start >= args.steps:
+                print(f"nothing left to train: the checkpoint is at step {start} and --steps is {args.steps} "
+                      f"(raise --steps to train further); its loss is the final loss", flush=True)
     data = corpus()
-    final = float("nan")
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
         inputs, targets = batch(data, step, args.batch_size, args.seq_len, args.seed)
@@ -328,10 +353,20 @@ def train(
             print(f"step {step:4d} | loss {final:.6f} | {tokens / elapsed:8.0f} tokens/s", flush=True)
         if args.checkpoint_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             path = os.path.join(args.checkpoint_dir, f"step-{step}")
-            save_checkpoint(path, model, optimizer, step)
+            later = [n for n in saved_steps(args.checkpoint_dir) if n > step]
+            save_checkpoint(path, model, optimizer, step, final)
             if rank == 0:
                 print(f"saved step {step} to {path}", flush=True)
-    return final
+                if later:
+                    print(f"warning: {args.checkpoint_dir} also holds step-{later[-1]} from an earlier run; "
+                          f"--resume loads the newest, step-{later[-1]}, not this step {step}. "
+                          "Use a new --checkpoint-dir per run, or delete the later steps.", file=sys.stderr, flush=True)
+    return final, max(start, args.steps)
+
+
+def report_final(final: float | None, step: int) -> None:
+    """Rank 0's last line: ``final loss X after N steps`` (``none`` for a checkpoint without a loss)."""
+    print(f"final loss {'none' if final is None else f'{final:.6f}'} after {step} steps", flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -353,11 +388,11 @@ def main(argv: list[str] | None = None) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
-        print(f"FSDP2 on {world} ranks ({args.backend}): {params} parameters, "
+        print(f"FSDP2 on {world} ranks ({dist.get_backend()}): {params} parameters, "
               f"global batch {args.batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}", flush=True)
-    final = train(args, model, rank, world, None)
+    final, step = train(args, model, rank, world, None)
     if rank == 0:
-        print(f"final loss {final:.6f} after {args.steps} steps", flush=True)
+        report_final(final, step)
     dist.destroy_process_group()
 
 

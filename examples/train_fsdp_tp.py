@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_fsdp import Decoder, model_config, parse_args, train  # noqa: E402
+from train_fsdp import Decoder, model_config, parse_args, report_final, train  # noqa: E402
 
 import tpu_dist  # noqa: E402,F401  (registers the "tpu" backend)
 from tpu_dist.mesh import init_device_mesh  # noqa: E402
@@ -102,12 +102,12 @@ def main(argv: list[str] | None = None) -> None:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     if rank == 0:
-        print(f"FSDP2 x TP on mesh {mesh.mesh.tolist()} (dp, tp) ({args.backend}), "
+        print(f"FSDP2 x TP on mesh {mesh.mesh.tolist()} (dp, tp) ({dist.get_backend()}), "
               f"global batch {args.batch_size}x{args.seq_len}", flush=True)
     dp_rank = mesh.get_local_rank("dp")
-    final = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"), loss_context=loss_parallel)
+    final, step = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"), loss_context=loss_parallel)
     if rank == 0:
-        print(f"final loss {final:.6f} after {args.steps} steps", flush=True)
+        report_final(final, step)
     dist.destroy_process_group()
 
 
