@@ -63,15 +63,32 @@ def test_failing_worker_stops_the_group_and_reports_rank_code_traceback(tmp_path
     assert code == 1, err
     assert "tpu-launch: worker failed: node 0: rank 1 (local rank 1, pid" in err
     assert "exited with code 1" in err
-    # The traceback comes from the error file tpu-launch's worker entry wrote (no @record needed).
-    root_cause = err.split("Root Cause")[1]
-    assert "error_file: <N/A>" not in root_cause
-    assert "RuntimeError: deliberate failure on rank 1" in root_cause
-    assert "launch_worker.py FAILED" in err  # the user's script is named, not the worker entry
+    # Short, root cause first: the script and rank, then the end of its traceback, which comes
+    # from the error file tpu-launch's worker entry wrote (no @record needed).
+    report = err[err.index("tpu-launch: worker failed"):].splitlines()
+    assert report[1].startswith(f"Root Cause (first observed failure): {WORKER} on rank 1 (host ")
+    assert report[-3] == "  RuntimeError: deliberate failure on rank 1", report
+    assert report[-2] == "Other ranks: rank 0 was killed by SIGTERM (stopped by the launcher)", report
+    assert "rank 1's error file: " in report[-1] and len(report) <= 11, report
+    assert "Failures:" not in err and "Sending process" not in err  # torchrun's table: --verbose
     assert "[rank1]:RuntimeError: deliberate failure on rank 1" in err  # the worker's own stderr
+    assert "for the workers" not in err  # the variables set for the workers: --verbose
     pids = _pids(str(tmp_path))
     assert sorted(pids) == [0, 1]
     assert _wait_dead(pids.values(), timeout=5) == []  # rank 0 (sleeping 120 s) was stopped
+
+
+def test_verbose_adds_torchruns_table_and_the_variables_set(tmp_path: Path) -> None:
+    code, _, err = run_launcher(
+        ["--verbose", "--nproc-per-node", "2", WORKER, "fail", "--exit-code", "3", "--pid-dir", str(tmp_path)]
+    )
+    assert code == 1
+    assert "tpu-launch: setting OMP_NUM_THREADS=1 for the workers" in err
+    assert "launch_worker.py FAILED" in err, err  # torchrun's table names the user's script
+    assert "Root Cause (first observed failure):\n[0]:" in err, err
+    assert f"Root Cause (first observed failure): {WORKER} on rank 1" in err  # then tpu-launch's
+    # No traceback to show: the worker called sys.exit(3).
+    assert "(no Python traceback recorded" in err and "exited with code 3" in err
 
 
 def test_exit_code_is_reported(tmp_path: Path) -> None:

@@ -180,6 +180,9 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="Alias of --nproc-per-node. Default (auto): one worker per local TPU chip; with "
         "--emulate, one per emulated chip of this node; otherwise 1.",
     )
+    for action in parser._actions:  # argparse keeps no public way to edit a flag's help
+        if action.dest in _TORCHRUN_HELP:
+            action.help = _TORCHRUN_HELP[action.dest]
     group = parser.add_argument_group("TPU")
     for knob in TPU_KNOBS:
         group.add_argument(
@@ -245,6 +248,13 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         help="With --compile-only: also write the report as JSON to FILE.",
     )
     group.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Also print each variable tpu-launch sets for the workers, elastic's per-worker stop "
+        "messages, torchrun's full failure table, and the '[Gloo] Rank N is connected to ...' "
+        "lines XLA's CPU collectives print (all hidden by default; a failure is always reported).",
+    )
+    group.add_argument(
         "--skip-preflight",
         "--skip_preflight",
         action="store_true",
@@ -263,6 +273,27 @@ def parse_args(
         if not hasattr(args, f"{knob.dest}_source"):
             setattr(args, f"{knob.dest}_source", knob.env if knob.env in env else "default")
     return args
+
+
+_TORCHRUN_HELP = {
+    "training_script": "The program each worker runs: a Python script (with -m a module, with "
+    "--no-python any executable), followed by its own arguments.",
+    "nnodes": "Hosts in the job, or MIN:MAX for an elastic range. Default: discovered on Cloud "
+    "TPU and GKE (hosts per slice x slices); 1 otherwise.",
+    "nproc_per_node": "Workers on this host: a number, or auto (the default): one per local TPU "
+    "chip; with --emulate, one per emulated chip of this host; otherwise 1. torchrun's cpu "
+    "(one per CPU core), gpu and xpu (one per such device) keep their torchrun meaning.",
+    "node_rank": "This host's index in the job (static rendezvous). Default: discovered on Cloud "
+    "TPU and GKE (slice id x hosts per slice + TPU worker id); 0 otherwise.",
+    "master_addr": "Address of node 0 (static rendezvous). Default: discovered (the multislice "
+    "coordinator, else the first of TPU_WORKER_HOSTNAMES); 127.0.0.1 otherwise.",
+    "numa_binding": "torchrun's binding of each worker to the CPUs near its GPU; it needs CUDA "
+    "GPUs and is not for TPU or CPU-emulated workers.",
+    "virtual_local_rank": "CUDA only: LOCAL_RANK=0 for every worker and CUDA_VISIBLE_DEVICES "
+    "narrowed to its GPU. On TPU each worker gets its chip through TPU_VISIBLE_CHIPS instead "
+    "(refused there with several workers per host).",
+}
+"""torchrun help texts that speak of GPUs or ignore discovery, rewritten for tpu-launch."""
 
 
 def _setup_logging() -> None:
@@ -343,4 +374,4 @@ def main(argv: Sequence[str] | None = None) -> None:
             "(--skip-preflight skips the checks)\n"
         )
         sys.exit(2)
-    sys.exit(launch(spec, worker_env))
+    sys.exit(launch(spec, worker_env, verbose=args.verbose))

@@ -20,6 +20,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ from tpu_dist.launch._env import WorkerEnv, compute_worker_env, elastic_vars
 from tpu_dist.launch._preflight import Problem
 from tpu_dist.launch._watch import JobWatch
 
-__all__ = ["DEFAULT_LOG_LINE_PREFIX", "elastic_config", "format_dry_run", "launch"]
+__all__ = ["DEFAULT_LOG_LINE_PREFIX", "elastic_config", "format_dry_run", "format_failure", "launch"]
 
 logger = logging.getLogger("tpu_dist.launch")
 
@@ -173,27 +174,96 @@ def elastic_config(spec: LaunchSpec) -> tuple[Any, Callable[..., Any] | str, lis
     return config, entry.python, ["-u", worker_file, entry.kind, entry.target, *entry.args]
 
 
-def _export(worker_env: WorkerEnv) -> None:
+def _export(worker_env: WorkerEnv, verbose: bool) -> None:
     """Puts the workers' variables into this (launcher) process's environment; elastic's
-    workers inherit it."""
+    workers inherit it. Each is logged with ``--verbose`` (``--dry-run`` always lists them)."""
     for var, value in sorted(worker_env.shared.items()):
-        logger.info("tpu-launch: setting %s=%s for the workers", var, value)
+        if verbose:
+            logger.info("tpu-launch: setting %s=%s for the workers", var, value)
         os.environ[var] = value
     if any(worker_env.per_rank):
         os.environ[_worker.WORKER_ENV_VAR] = json.dumps([dict(r) for r in worker_env.per_rank])
     os.environ[_worker.LAUNCHER_PID_VAR] = str(os.getpid())
+    if not verbose:
+        os.environ[_worker.QUIET_GLOO_VAR] = "1"
+
+
+_ELASTIC_STOP_MESSAGES = (
+    "Sending process %s closing signal %s",
+    "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+)
+
+
+class _QuietElasticStops(logging.Filter):
+    """Drops elastic's per-worker stop messages (the failure report restates them); every other
+    elastic message, warnings and errors included, passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in _ELASTIC_STOP_MESSAGES
+
+
+_ERROR_LINES = 6
+"""Lines of the failing rank's traceback the failure report shows (its end)."""
+
+
+def _how(failure: Any) -> str:
+    if failure.exitcode is not None and failure.exitcode < 0:
+        return f"was killed by {failure.signal_name()}"
+    return f"exited with code {failure.exitcode}"
 
 
 def _failure_summary(spec: LaunchSpec, err: Any) -> str:
     rank, failure = err.get_first_failure()
-    if failure.exitcode is not None and failure.exitcode < 0:
-        how = f"was killed by {failure.signal_name()}"
-    else:
-        how = f"exited with code {failure.exitcode}"
     return (
         f"node {spec.node_rank}: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
-        f"{how}"
+        f"{_how(failure)}"
     )
+
+
+def _last_error_lines(failure: Any) -> list[str]:
+    """The end of the rank's recorded traceback, or why there is none."""
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    message = data.get("message")
+    text = ""
+    if isinstance(message, dict):
+        text = message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
+    elif isinstance(message, str):
+        text = message
+    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+    if not lines or lines == ["<NONE>"]:  # elastic's placeholder when there is no error file
+        return [
+            "(no Python traceback recorded: the process exited without an uncaught exception, "
+            "or was killed; its last output lines above say more)"
+        ]
+    return (["..."] if len(lines) > _ERROR_LINES else []) + lines[-_ERROR_LINES:]
+
+
+def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
+    """The failure report, short and root cause first (torchrun's "Root Cause (first observed
+    failure)"): the failing rank, its exit code and the end of its traceback; then one line for
+    the other ranks; then where the full record is."""
+    rank, failure = err.get_first_failure()
+    lines = [
+        f"tpu-launch: worker failed: {_failure_summary(spec, err)}",
+        f"Root Cause (first observed failure): {spec.entry.target} on rank {rank} "
+        f"(host {socket.getfqdn()}):",
+    ]
+    lines += [f"  {line}" for line in _last_error_lines(failure)]
+    others = [
+        f"rank {r} {_how(f)}" + (" (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else "")
+        for r, f in sorted(err.failures.items())
+        if r != rank
+    ]
+    if others:
+        lines.append("Other ranks: " + "; ".join(others))
+    has_file = bool(failure.error_file) and os.path.exists(failure.error_file)
+    lines.append(
+        "Each rank's whole output is above, lines prefixed [rankN]:"
+        + (f"; rank {rank}'s error file: {failure.error_file}" if has_file else "")
+        + ("" if verbose else "; --verbose prints torchrun's full failure table")
+        + "."
+    )
+    return "\n".join(lines) + "\n"
 
 
 def _raise_signal_exception(signum: int, frame: Any) -> None:
@@ -215,13 +285,19 @@ def _store_address(spec: LaunchSpec) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def launch(spec: LaunchSpec, worker_env: WorkerEnv) -> int:
-    """Runs this host's workers under torch.distributed.elastic; returns the exit code."""
+def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) -> int:
+    """Runs this host's workers under torch.distributed.elastic; returns the exit code.
+
+    ``verbose`` (``--verbose``) also logs each variable set for the workers, keeps elastic's
+    per-worker stop messages and gloo's connection lines, and prints torchrun's failure table.
+    """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    _export(worker_env)
+    _export(worker_env, verbose)
+    if not verbose:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietElasticStops())
     config, entrypoint, args = elastic_config(spec)
     address = _store_address(spec)
     watch = (
@@ -245,10 +321,10 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv) -> int:
         return 0
     except ChildFailedError as err:
         summary = _failure_summary(spec, err)
-        # Name the user's program in torchrun's table, not the worker entry that ran it.
-        table = ChildFailedError(name=spec.entry.target, failures=err.failures).format_msg()
-        sys.stderr.write(table + "\n")
-        sys.stderr.write(f"tpu-launch: worker failed: {summary}\n")
+        if verbose:  # torchrun's table, naming the user's program rather than our worker entry
+            table = ChildFailedError(name=spec.entry.target, failures=err.failures).format_msg()
+            sys.stderr.write(table + "\n")
+        sys.stderr.write(format_failure(spec, err, verbose))
         sys.stderr.flush()
         if watch is not None:
             watch.report_failure(summary)
