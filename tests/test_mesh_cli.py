@@ -35,6 +35,8 @@ def test_cli_subprocess_issue_example() -> None:
     assert rows["fsdp"][4] == "ICI" and rows["fsdp"][-4] == "1/1.00"  # one hop between members
     assert rows["tp"][4] == "ICI" and rows["tp"][-4] == "1/1.00" and rows["tp"][-1] == "400"
     assert "dp: [0(0, 0, 0)s0, 6144(0, 0, 0)s1]" in text
+    # The legend names the marks the members carry (it once said "[slice]" for "s0").
+    assert "each member as rank(chip coordinates), then sN: slice N:" in text
 
 
 def test_cli_without_dcn_and_on_v7x(capsys: pytest.CaptureFixture[str]) -> None:
@@ -42,6 +44,8 @@ def test_cli_without_dcn_and_on_v7x(capsys: pytest.CaptureFixture[str]) -> None:
     text = capsys.readouterr().out
     assert "16 devices (2 per chip)" in text
     assert "axis1  2     2    1    on-chip" in text
+    assert "each member as rank(chip coordinates), then cK: core K of the chip:" in text
+    assert "axis1: [0(0, 0, 0)c0, 1(0, 0, 0)c1]" in text
     assert main(["--topology", "v5p-8", "--num-slices", "2", "--ici", "2,4"]) == 0
     assert "ici (1, 4) x dcn (2, 1)" in capsys.readouterr().out
 

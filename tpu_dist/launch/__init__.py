@@ -136,6 +136,14 @@ Every worker's stdout and stderr lines reach the console prefixed by the global 
 with ``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``, or pass ``--tee 0`` for unprefixed output). Logs
 and error files go under ``--log-dir`` (a temporary folder by default).
 
+Quiet by default; ``--verbose`` adds: a ``tpu-launch: setting X=V for the workers`` line per
+variable (``--dry-run`` lists them all anyway), elastic's own per-worker stop messages,
+torchrun's full failure table, and the ``[Gloo] Rank N is connected to K peer ranks ...`` lines.
+Those come from the gloo inside jaxlib (XLA's CPU collectives, which the "tpu" backend uses on
+CPU): it prints one with ``std::cout`` for every communicator it connects, with no setting to
+stop it, so each worker drops exactly that line, when both counts agree, from its stdout; gloo's
+report of a peer that did not connect passes through. Under ``torchrun`` the lines stay.
+
 Failure modes
 =============
 
@@ -146,11 +154,12 @@ Failure modes
   code 2. A stale lockfile and conflicting variables are warnings.
 * **A worker exits non-zero or is killed**: elastic stops the host's other workers (SIGTERM,
   then SIGKILL after ``--shutdown-timeout``), restarts the group if restarts are left, else the
-  launcher prints torchrun's failure table (rank, exit code, and the traceback from the error
-  file: ``tpu-launch`` records uncaught exceptions itself, no ``@record`` needed) and
-  ``tpu-launch: worker failed: node N: rank R (...) exited with code C``, tells the other hosts'
-  launchers through the rendezvous store (they stop their workers within about a second), and
-  exits 1.
+  launcher prints a short report, root cause first as torchrun's "Root Cause (first observed
+  failure)": ``tpu-launch: worker failed: node N: rank R (...) exited with code C``, the script
+  and the last lines of rank R's traceback (from its error file: ``tpu-launch`` records uncaught
+  exceptions itself, no ``@record`` needed), one line for the other ranks, and where the error
+  file is (``--verbose`` adds torchrun's full table). It then tells the other hosts' launchers
+  through the rendezvous store (they stop their workers within about a second), and exits 1.
 * **SIGINT/SIGTERM to the launcher**: every worker is stopped; exit code 128 + signal.
 * **The launcher itself is killed (SIGKILL)**: the kernel kills its workers
   (``PR_SET_PDEATHSIG``), so nothing is left behind.

@@ -135,7 +135,11 @@ def _render(
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-    lines += ["", "group of rank 0 on each axis, as rank(chip coords)[core][slice]:", *examples]
+    marks = "".join(
+        [", then cK: core K of the chip" if topology.devices_per_chip > 1 else "",
+         ", then sN: slice N" if topology.num_slices > 1 else ""]
+    )
+    lines += ["", f"group of rank 0 on each axis, each member as rank(chip coordinates){marks}:", *examples]
     return "\n".join(lines)
 
 
