@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -69,6 +70,29 @@ def test_stats() -> None:
     s = stats([3.0, 1.0, 2.0, 4.0, 100.0])
     assert (s.median, s.min, s.max, s.n) == (3.0, 1.0, 100.0, 5)
     assert s.p10 == pytest.approx(1.4)
+
+
+def test_table_never_shows_a_negative_host_time_and_flags_noisy_rows() -> None:
+    """A measured run once printed ``host ... median -4534 us`` and spreads of 428 % unflagged."""
+    from tpu_dist.bench._report import Row, format_legend, format_row, format_summary
+
+    def row(backend: str, times: list[float], host: float | None) -> Row:
+        return Row(op="all_reduce", backend=backend, bytes=1024, count=256, dtype="float32", nranks=2,
+                   time=stats(times), algbw_gbytes_per_s=0.0, busbw_gbytes_per_s=0.0, first_call_s=0.01,
+                   xla_time=stats([t + 1e-3 for t in times]) if host is not None else None,
+                   host_overhead_s=host, ratio=1.0, check="ok")
+
+    quiet = [100e-6] * 9 + [101e-6]
+    noisy = [100e-6, 100e-6, 100e-6, 100e-6, 100e-6, 1e-3, 2e-3, 3e-3, 4e-3, 5e-3]
+    line = format_row([row("tpu", noisy, -4534e-6), row("gloo", quiet, None)], "gloo", False)
+    host = line.split("|")[1].split()[-1]
+    assert host == "~0" and not re.search(r" -\d", line), line
+    assert line.endswith("noisy (tpu)"), line
+    assert "noisy" not in format_row([row("tpu", quiet, 5e-6), row("gloo", quiet, None)], "gloo", False)
+    summary = format_summary("all_reduce", [row("tpu", noisy, -4534e-6), row("tpu", quiet, 20e-6)])
+    assert "median 10 us (range 0..20; 1 size(s) ~0, below the noise)" in summary and "1 noisy" in summary
+    legend = format_legend(["tpu", "gloo"], "gloo")
+    assert "host = the tpu time minus the xla time" in legend and "'noisy'" in legend
 
 
 def test_expected_busbw_model() -> None:

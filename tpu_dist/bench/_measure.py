@@ -38,6 +38,7 @@ from tpu_dist.bench._ops import OpCase, bus_factor, make_case
 from tpu_dist.bench._report import (
     Row,
     format_header,
+    format_legend,
     format_row,
     format_summary,
     mean_over_ranks,
@@ -168,6 +169,7 @@ class _Runner:
             self._say(f"# TPU topology: {self.topology.describe()}")
         elif self.topology_note:
             self._say(f"# {self.topology_note}")
+        self._say(format_legend(cfg.backends, cfg.reference))
         rows: list[Row] = []
         started = time.perf_counter()
         total = len(cfg.ops) * len(cfg.sizes)

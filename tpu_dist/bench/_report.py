@@ -12,7 +12,10 @@ range relative to the median; ``xla`` is the bare program, ``host`` the c10d cal
     #       size     count |      tpu   +-%  algbw  busbw     xla    host |     gloo   +-%  algbw  busbw | tpu/gloo
             1024       256 |    312.0   12%   0.00   0.00    95.1   216.9 |    110.2    8%   0.01   0.01 |     2.83
 
-Sizes and bandwidths: GB/s = 1e9 bytes per second.
+Sizes and bandwidths: GB/s = 1e9 bytes per second. A legend before the first block says what
+every column means. ``host`` is never shown negative: when the bare program's median comes out
+larger than the call's (they are timed separately), it shows ``~0``. A row whose ``+-%`` exceeds
+:data:`NOISY_SPREAD` on some backend ends in ``noisy (BACKEND)``.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ import statistics
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-__all__ = ["Row", "Stats", "format_header", "format_row", "format_summary", "stats"]
+__all__ = ["NOISY_SPREAD", "Row", "Stats", "format_header", "format_legend", "format_row", "format_summary", "stats"]
+
+NOISY_SPREAD = 0.5
+"""A row whose half p10..p90 range exceeds this fraction of its median is flagged ``noisy``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +113,8 @@ class Row:
     """tpu only: the bare XLA program (:mod:`._xla`)."""
     xla_compile_s: float | None = None
     host_overhead_s: float | None = None
-    """tpu only: median c10d call minus median bare program."""
+    """tpu only: median c10d call minus median bare program. Negative when the bare program's
+    median came out larger (they are timed separately: noise); the table shows that as ``~0``."""
     ratio: float | None = None
     """Median time over the reference backend's median time at this size."""
     expected_busbw_gbytes_per_s: float | None = None
@@ -152,9 +159,47 @@ def _us(seconds: float) -> str:
     return f"{seconds * 1e6:9.1f}"
 
 
+def _half_spread(s: Stats) -> float:
+    return (s.p90 - s.p10) / 2 / s.median if s.median > 0 else 0.0
+
+
 def _spread(s: Stats) -> str:
-    half = (s.p90 - s.p10) / 2 / s.median if s.median > 0 else 0.0
-    return f"{min(half * 100, 999):4.0f}%"
+    return f"{min(_half_spread(s) * 100, 999):4.0f}%"
+
+
+def _host(seconds: float | None) -> str:
+    """The host column: a duration, never negative. A bare program whose median exceeds the
+    call's (noise: the two are timed separately) shows as ``~0``."""
+    if seconds is None:
+        return f"{'-':>9}"
+    return f"{'~0':>9}" if seconds < 0 else _us(seconds)
+
+
+def format_legend(backends: Sequence[str], reference: str) -> str:
+    """What every column of the table means, printed once before the first block."""
+    lines = [
+        "# size: bytes, count: elements. Per backend: time = median us per call (each rank times "
+        "each call from the call to the end of wait(), averaged over ranks); +-% = half the "
+        "p10..p90 range, in % of the median; algbw = size / time, busbw = algbw x the op's "
+        "nccl-tests factor, GB/s (1e9 bytes/s).",
+    ]
+    if "tpu" in backends:
+        lines.append(
+            "# tpu only: xla = the same collective as a bare jitted XLA program (no torch, no "
+            "c10d); host = the tpu time minus the xla time, the cost of the c10d layer (~0 when "
+            "the bare program's median came out larger: the difference is below the noise)."
+        )
+    others = [b for b in backends if b != reference]
+    if others:
+        lines.append(
+            f"# {others[0][:5]}/{reference[:5]} = time over {reference}'s time at that size "
+            "(below 1: faster)."
+        )
+    lines.append(
+        f"# A row ending in 'noisy' has a +-% above {NOISY_SPREAD:.0%} on some backend: trust its "
+        "times and ratio less (a loaded machine; more --iters help)."
+    )
+    return "\n".join(lines)
 
 
 def format_header(
@@ -193,7 +238,7 @@ def format_row(rows: Sequence[Row], reference: str, expected: bool) -> str:
         )
         if row.backend == "tpu":
             if row.xla_time is not None:
-                cols += f" {_us(row.xla_time.median)} {_us(row.host_overhead_s or 0.0)}"
+                cols += f" {_us(row.xla_time.median)} {_host(row.host_overhead_s)}"
             else:
                 cols += f" {'-':>9} {'-':>9}"
         if expected:
@@ -203,6 +248,9 @@ def format_row(rows: Sequence[Row], reference: str, expected: bool) -> str:
     ratios = [r for r in rows if r.backend != reference]
     if ratios:
         line.append(" |" + "".join(f" {(r.ratio or 0.0):11.2f}" for r in ratios))
+    noisy = [r.backend for r in rows if _half_spread(r.time) > NOISY_SPREAD]
+    if noisy:
+        line.append(f"   noisy ({', '.join(noisy)})")
     bad = [f"{r.backend}: {r.check}" for r in rows if r.check not in ("ok", "skipped")]
     if bad:
         line.append("   WRONG RESULT " + "; ".join(bad))
@@ -222,10 +270,16 @@ def format_summary(op: str, rows: Sequence[Row]) -> str:
             text += f"; programs compiled: {compiled} by first calls, {steady} in steady state"
         overheads = [r.host_overhead_s for r in mine if r.host_overhead_s is not None]
         if overheads:
+            shown = [max(o, 0.0) * 1e6 for o in overheads]
             text += (
-                f"; host overhead per call: median {statistics.median(overheads) * 1e6:.0f} us "
-                f"(range {min(overheads) * 1e6:.0f}..{max(overheads) * 1e6:.0f})"
+                f"; host overhead per call: median {statistics.median(shown):.0f} us "
+                f"(range {min(shown):.0f}..{max(shown):.0f}"
             )
+            below = sum(o < 0 for o in overheads)
+            text += f"; {below} size(s) ~0, below the noise)" if below else ")"
+        noisy = sum(_half_spread(r.time) > NOISY_SPREAD for r in mine)
+        if noisy:
+            text += f"; {noisy} noisy size(s)"
         lines.append(text)
     return "\n".join(lines)
 
