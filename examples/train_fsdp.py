@@ -40,6 +40,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -262,7 +263,11 @@ def save_checkpoint(
 
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step), "loss": torch.tensor(loss)}
-    dcp.save(state, checkpoint_id=path)
+    if os.path.exists(os.path.join(path, ".metadata")) and dist.get_rank() == 0:
+        print(f"replacing {path} (an earlier run's)", flush=True)
+    with warnings.catch_warnings():  # DCP warns on every rank when it overwrites; said once above
+        warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
+        dcp.save(state, checkpoint_id=path)
 
 
 def saved_steps(directory: str) -> list[int]:
