@@ -68,7 +68,7 @@ def test_failing_worker_stops_the_group_and_reports_rank_code_traceback(tmp_path
     report = err[err.index("tpu-launch: worker failed"):].splitlines()
     assert report[1].startswith(f"Root Cause (first observed failure): {WORKER} on rank 1 (host ")
     assert report[-3] == "  RuntimeError: deliberate failure on rank 1", report
-    assert report[-2] == "Other ranks: rank 0 was killed by SIGTERM (stopped by the launcher)", report
+    assert report[-2] == "Other ranks: rank 0: killed by SIGTERM (stopped by the launcher)", report
     assert "rank 1's error file: " in report[-1] and len(report) <= 11, report
     assert "Failures:" not in err and "Sending process" not in err  # torchrun's table: --verbose
     assert "[rank1]:RuntimeError: deliberate failure on rank 1" in err  # the worker's own stderr
@@ -88,7 +88,8 @@ def test_verbose_adds_torchruns_table_and_the_variables_set(tmp_path: Path) -> N
     assert "Root Cause (first observed failure):\n[0]:" in err, err
     assert f"Root Cause (first observed failure): {WORKER} on rank 1" in err  # then tpu-launch's
     # No traceback to show: the worker called sys.exit(3).
-    assert "(no Python traceback recorded" in err and "exited with code 3" in err
+    assert "(no Python traceback: it exited without an uncaught Python exception" in err
+    assert "exited with code 3" in err
 
 
 def test_exit_code_is_reported(tmp_path: Path) -> None:
@@ -124,3 +125,26 @@ def test_workers_die_with_a_killed_launcher(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert _wait_dead(pids.values(), timeout=10) == []  # PR_SET_PDEATHSIG did it
+
+
+def test_failure_report_is_short_for_many_ranks(tmp_path: Path) -> None:
+    """16 ranks, one aborted (no traceback), 15 stopped: the report stays a few lines."""
+    import signal as sig
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from tpu_dist.launch import parse_args, resolve
+    from tpu_dist.launch._discovery import Discovery
+    from tpu_dist.launch._run import format_failure
+
+    spec = resolve(parse_args(["--nproc-per-node", "16", "train.py"], {}), Discovery(on_tpu=False), {})
+    missing = str(tmp_path / "none.json")
+    failures = {r: ProcessFailure(local_rank=r, pid=100 + r, exitcode=-sig.SIGTERM, error_file=missing)
+                for r in range(16) if r != 10}
+    failures[10] = ProcessFailure(local_rank=10, pid=110, exitcode=-sig.SIGABRT, error_file=missing)
+    failures[10].timestamp = 0  # the first observed failure
+    report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
+    assert report[0] == "tpu-launch: worker failed: node 0: rank 10 (local rank 10, pid 110) was killed by SIGABRT"
+    assert report[2] == "  (no Python traceback: it was killed by a signal; its last [rank10]: lines above say more)"
+    assert report[3] == "Other ranks: ranks 0-9, 11-15: killed by SIGTERM (stopped by the launcher)"
+    assert len(report) == 5, report

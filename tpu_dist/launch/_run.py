@@ -220,7 +220,7 @@ def _failure_summary(spec: LaunchSpec, err: Any) -> str:
     )
 
 
-def _last_error_lines(failure: Any) -> list[str]:
+def _last_error_lines(rank: int, failure: Any) -> list[str]:
     """The end of the rank's recorded traceback, or why there is none."""
     data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
     message = data.get("message")
@@ -231,11 +231,26 @@ def _last_error_lines(failure: Any) -> list[str]:
         text = message
     lines = [line for line in text.rstrip().splitlines() if line.strip()]
     if not lines or lines == ["<NONE>"]:  # elastic's placeholder when there is no error file
-        return [
-            "(no Python traceback recorded: the process exited without an uncaught exception, "
-            "or was killed; its last output lines above say more)"
-        ]
+        why = (
+            "it was killed by a signal"
+            if failure.exitcode is not None and failure.exitcode < 0
+            else "it exited without an uncaught Python exception (sys.exit, os._exit)"
+        )
+        return [f"(no Python traceback: {why}; its last [rank{rank}]: lines above say more)"]
     return (["..."] if len(lines) > _ERROR_LINES else []) + lines[-_ERROR_LINES:]
+
+
+def _rank_ranges(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0-9, 11-15``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return "ranks " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
@@ -248,14 +263,17 @@ def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
         f"Root Cause (first observed failure): {spec.entry.target} on rank {rank} "
         f"(host {socket.getfqdn()}):",
     ]
-    lines += [f"  {line}" for line in _last_error_lines(failure)]
-    others = [
-        f"rank {r} {_how(f)}" + (" (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else "")
-        for r, f in sorted(err.failures.items())
-        if r != rank
-    ]
-    if others:
-        lines.append("Other ranks: " + "; ".join(others))
+    lines += [f"  {line}" for line in _last_error_lines(rank, failure)]
+    outcomes: dict[str, list[int]] = {}
+    for r, f in sorted(err.failures.items()):
+        if r != rank:
+            how = _how(f) + (" (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else "")
+            outcomes.setdefault(how, []).append(r)
+    if outcomes:
+        lines.append(
+            "Other ranks: "
+            + "; ".join(f"{_rank_ranges(rs)}: {how.removeprefix('was ')}" for how, rs in outcomes.items())
+        )
     has_file = bool(failure.error_file) and os.path.exists(failure.error_file)
     lines.append(
         "Each rank's whole output is above, lines prefixed [rankN]:"
