@@ -132,6 +132,7 @@ def test_two_ranks_end_to_end(tmp_path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "tpu/gloo" in proc.stdout
+    assert "[Gloo]" not in proc.stdout  # jaxlib gloo's connection lines, dropped in the ranks
     report = json.loads(out.read_text())
     assert report["schema"] == "tpu_dist.bench/1"
     rows = report["rows"]

@@ -125,6 +125,9 @@ def _free_port() -> int:
 
 def _spawned(index: int, config: BenchConfig, nproc: int, port: int, out: str) -> None:
     from tpu_dist.bench._measure import run_rank
+    from tpu_dist.launch import quiet_gloo_lines
+
+    quiet_gloo_lines()  # jaxlib's gloo prints a line per communicator; tpu-launch drops them too
 
     report = run_rank(config, index, nproc, f"tcp://127.0.0.1:{port}")
     if report is not None:

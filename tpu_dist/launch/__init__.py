@@ -177,6 +177,7 @@ from tpu_dist.launch._discovery import Discovery, MetadataClient, discover
 from tpu_dist.launch._env import WorkerEnv, compute_worker_env
 from tpu_dist.launch._preflight import Problem, preflight
 from tpu_dist.launch._run import format_dry_run
+from tpu_dist.launch._worker import quiet_gloo_lines
 
 __all__ = [
     "Discovery",
@@ -193,5 +194,6 @@ __all__ = [
     "parse_args",
     "parse_slice",
     "preflight",
+    "quiet_gloo_lines",
     "resolve",
 ]

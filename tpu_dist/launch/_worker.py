@@ -68,9 +68,11 @@ def _without_gloo_lines(buf: bytes) -> tuple[bytes, bytes]:
     return buf, b""
 
 
-def _quiet_gloo_lines() -> None:
-    """Routes this process's fd 1 through a pipe whose reader drops gloo's healthy connection
-    lines (see the module docstring). Undone at exit, after the program's last output."""
+def quiet_gloo_lines() -> None:
+    """Routes this process's fd 1 through a pipe whose reader drops the healthy ``[Gloo] Rank N
+    is connected to K peer ranks ...`` lines of jaxlib's gloo (see the module docstring); every
+    other byte passes unchanged. Undone at exit, after the program's last output. Call it once,
+    early, in a process that will run "tpu" collectives on CPU."""
     import atexit
     import threading
 
@@ -113,7 +115,7 @@ def _quiet_gloo_lines() -> None:
 
 def _maybe_quiet() -> None:
     if os.environ.pop(QUIET_GLOO_VAR, "") == "1":
-        _quiet_gloo_lines()
+        quiet_gloo_lines()
 
 
 def apply_worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
