@@ -138,6 +138,23 @@ _p2p_seq: dict[str, int] = {}
 _CALL_BYTES = 256
 
 
+Ticket = tuple[int, int, int]
+"""Where a call stands among the calls on its device set: (index of its group among the groups
+over that set, the group's sequence number, 0 for a DETAIL check and 1 for the call itself)."""
+
+
+@dataclass
+class _Job:
+    """One program for the dispatcher to start."""
+
+    future: concurrent.futures.Future
+    key: ProgramKey
+    devices: Sequence
+    arrays: list
+    ticket: Ticket | None = None
+    """Set for a call on a device set that several groups share (:class:`_Dispatcher`)."""
+
+
 class _Dispatcher:
     """Starts XLA programs on one helper thread, in call order.
 
@@ -148,6 +165,18 @@ class _Dispatcher:
     watchdog's error reaches it. Programs must start in the same order on every rank, so while
     this thread has programs to start, every other one of the process starts here too
     (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread hop.
+
+    Groups over the same devices. XLA keys its communicators by the set of devices a program
+    runs on (``gloo/<device ids>`` on CPU, one gloo context per set, every message tagged 0),
+    so two groups over the same ranks share one communicator, where torch's gloo gives each
+    group its own. Calls of two such groups issued from two threads reach XLA in a different
+    order on different ranks, and then one rank's all_reduce of group A meets the other's of
+    group B: wrong numbers when the sizes agree, gloo's abort when they do not. So every call
+    on a device set that two or more groups share starts here, and the ranks agree on the
+    order first: each rank offers its oldest waiting call's :data:`Ticket` in a small
+    all-gather over the set (one extra program per call, only on shared sets), all take the
+    smallest ticket offered, and each starts that call as soon as it has been issued locally.
+    One call starts per round, so every rank starts the same calls in the same order.
     """
 
     def __init__(self) -> None:
@@ -155,9 +184,18 @@ class _Dispatcher:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._queued = 0
+        # Per shared device set (sorted device ids): its waiting calls by ticket, in arrival
+        # order, and the ticket all ranks agreed on that has not been issued here yet.
+        self._waiting: dict[tuple[int, ...], dict[Ticket, _Job]] = {}
+        self._awaited: dict[tuple[int, ...], Ticket] = {}
 
-    def submit(self, key: ProgramKey, devices, arrays) -> concurrent.futures.Future:
-        """Start ``key``'s program after every earlier one; the future holds its result blocks."""
+    def submit(
+        self, key: ProgramKey, devices, arrays, ticket: Ticket | None = None
+    ) -> concurrent.futures.Future:
+        """Start ``key``'s program after every earlier one; the future holds its result blocks.
+
+        With a ``ticket``, the program starts in the order the ranks agree on (class doc).
+        """
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._thread is None:
@@ -168,20 +206,65 @@ class _Dispatcher:
                 )
                 self._thread.start()
             self._queued += 1
-        self._queue.put((future, key, devices, arrays))
+        self._queue.put(_Job(future, key, devices, list(arrays), ticket))
         return future
 
     def _loop(self) -> None:
         while True:
-            future, key, devices, arrays = self._queue.get()
-            try:
-                outs = _lowering.run(key, devices, arrays)
-            except BaseException as err:  # handed to whoever waits on the future
-                self._one_started()
-                future.set_exception(err)
+            job = self._queue.get()
+            if job.ticket is None:
+                self._start(job)
             else:
-                self._one_started()
-                future.set_result(outs)
+                self._order(job)
+
+    def _start(self, job: _Job) -> None:
+        try:
+            outs = _lowering.run(job.key, job.devices, job.arrays)
+        except BaseException as err:  # handed to whoever waits on the future
+            self._one_started()
+            job.future.set_exception(err)
+        else:
+            self._one_started()
+            job.future.set_result(outs)
+
+    def _order(self, job: _Job) -> None:
+        """Start the calls of ``job``'s device set in the order every rank agrees on."""
+        ids = tuple(sorted(d.id for d in job.devices))
+        waiting = self._waiting.setdefault(ids, {})
+        waiting[job.ticket] = job
+        while waiting:
+            awaited = self._awaited.get(ids)
+            if awaited is not None:
+                if awaited not in waiting:
+                    return  # the agreed call has not been issued here yet
+                del self._awaited[ids]
+                self._start(waiting.pop(awaited))
+                continue
+            offer = next(iter(waiting))
+            try:
+                agreed = min(self._agree(ids, offer))
+            except BaseException as err:  # the set is broken: every call on it fails
+                for failed in waiting.values():
+                    self._one_started()
+                    failed.future.set_exception(err)
+                waiting.clear()
+                return
+            if agreed in waiting:
+                self._start(waiting.pop(agreed))
+            else:
+                self._awaited[ids] = agreed
+
+    @staticmethod
+    def _agree(ids: tuple[int, ...], offer: Ticket) -> list[Ticket]:
+        """All-gather every rank's offered ticket over the device set ``ids``."""
+        by_id = {d.id: d for d in _runtime.global_devices()}
+        devices = [by_id[i] for i in ids]
+        key = ProgramKey("allgather", ids, ((len(offer), "int32"),), ())
+        mine = _runtime.to_jax(torch.tensor(offer, dtype=torch.int32))
+        (gathered,) = _lowering.run(key, devices, [mine])
+        gathered.block_until_ready()
+        rows = _runtime.to_torch(gathered).view(len(ids), len(offer)).tolist()
+        return [tuple(row) for row in rows]
 
     def _one_started(self) -> None:
         with self._lock:
@@ -195,6 +278,10 @@ class _Dispatcher:
 
 
 _dispatcher = _Dispatcher()
+
+#: Sorted device ids -> how many "tpu" groups of this process were created over that set. The
+#: same on every member rank, since groups are created by every member in the same order.
+_groups_per_device_set: dict[tuple[int, ...], int] = {}
 
 
 def _track(
@@ -255,6 +342,10 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             devices = [every[r] for r in self._global_ranks]
         self._devices = list(devices)
         self._device_ids = tuple(d.id for d in self._devices)
+        self._device_set = tuple(sorted(self._device_ids))
+        # This group's index among the groups over its device set (see _Dispatcher).
+        self._index_in_set = _groups_per_device_set.get(self._device_set, 0)
+        _groups_per_device_set[self._device_set] = self._index_in_set + 1
         self._timeout = timeout
         self._group_name = ""
         self._group_desc = ""
@@ -344,12 +435,19 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             # By now the work holds the program's result blocks (see TPUWork._await_arrays).
             return finish([_runtime.to_torch(o) for o in work._pending])
 
+        ticket = self._ticket(seq, 1)
         if async_op:
-            work._attach_dispatch(_dispatcher.submit(key, self._devices, arrays), complete)
+            work._attach_dispatch(
+                _dispatcher.submit(key, self._devices, arrays, ticket), complete
+            )
             return work
         try:
             if self._poll:
-                outs = wait_interruptibly(work, _dispatcher.submit(key, self._devices, arrays))
+                outs = wait_interruptibly(
+                    work, _dispatcher.submit(key, self._devices, arrays, ticket)
+                )
+            elif ticket is not None:
+                outs = _dispatcher.submit(key, self._devices, arrays, ticket).result()
             else:
                 outs = _dispatcher.run_in_order(key, self._devices, arrays)
         except dist.DistBackendError as err:
@@ -363,6 +461,16 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             raise error from err
         work._attach(outs, complete)
         return work
+
+    def _ticket(self, seq: int, part: int) -> Ticket | None:
+        """The ticket of this group's call ``seq`` if other groups share its devices, else None.
+
+        Calls on a device set no other group uses need no agreement: one group's calls are
+        issued in the same order on every rank (see _Dispatcher).
+        """
+        if len(self._device_set) < 2 or _groups_per_device_set[self._device_set] < 2:
+            return None
+        return (self._index_in_set, seq, part)
 
     def _check_same_call(self, description: str, params: tuple, meta: tuple) -> None:
         """TORCH_DISTRIBUTED_DEBUG=DETAIL: all ranks must call the same collective.
@@ -378,7 +486,12 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         key = ProgramKey("allgather", self._device_ids, ((_CALL_BYTES, "uint8"),), ())
-        (gathered,) = _dispatcher.run_in_order(key, self._devices, [_runtime.to_jax(mine)])
+        ticket = self._ticket(self._seq + 1, 0)
+        arrays = [_runtime.to_jax(mine)]
+        if ticket is None:
+            (gathered,) = _dispatcher.run_in_order(key, self._devices, arrays)
+        else:
+            (gathered,) = _dispatcher.submit(key, self._devices, arrays, ticket).result()
         rows = _runtime.to_torch(gathered).view(self.size(), _CALL_BYTES)
         calls = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
         if len(set(calls)) > 1:
