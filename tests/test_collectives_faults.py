@@ -7,6 +7,7 @@ behaviour is the reference (a result is right when it equals what each rank comp
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -60,3 +61,36 @@ def _two_threads_two_groups(rank: int, world_size: int, sizes: tuple[int, int], 
 @pytest.mark.parametrize("sizes", [(1000, 1000), (1000, 500)])
 def test_two_threads_on_two_groups_over_the_same_ranks(world: World, sizes) -> None:
     assert world.run(_two_threads_two_groups, sizes, 50) == [[0, 0], [0, 0]]
+
+
+# -- item 2: a later collective's completion implies earlier works' outputs -----------------
+
+
+def _unwaited_then_later(rank: int, world_size: int, n: int, later: str) -> tuple[int, int]:
+    """``n`` async all_reduces nobody waits on, then a later collective on the group.
+
+    Returns (outputs written when the later collective returned, outputs a second later still
+    holding what the program put there after the later collective).
+    """
+    outs = [torch.full((4,), float(i + rank)) for i in range(n)]
+    works = [dist.all_reduce(t, async_op=True) for t in outs]
+    if later == "barrier":
+        dist.barrier()
+    else:
+        dist.all_reduce(torch.ones(3))
+    written = sum(
+        torch.equal(t, torch.full((4,), float(sum(i + r for r in range(world_size)))))
+        for i, t in enumerate(outs)
+    )
+    for t in outs:
+        t.fill_(100.0)  # the program reuses its buffers
+    time.sleep(1.5)
+    kept = sum(torch.equal(t, torch.full((4,), 100.0)) for t in outs)
+    for w in works:
+        w.wait()
+    return written, kept
+
+
+@pytest.mark.parametrize("later", ["barrier", "all_reduce"])
+def test_later_collective_completes_after_earlier_outputs_are_written(world: World, later) -> None:
+    assert world.run(_unwaited_then_later, 200, later) == [(200, 200)] * 2

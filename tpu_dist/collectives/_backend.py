@@ -21,6 +21,7 @@ the peer at the same point of its sequence, like NCCL.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import os
 import queue
@@ -357,6 +358,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         )
         self._poll = _watchdog.policy_from_env() == "raise"
+        # Works of this group not completed yet, in issue order (see _complete_before).
+        self._unfinished: collections.deque[TPUWork] = collections.deque()
+        self._unfinished_lock = threading.Lock()
 
     # -- identity (funcol, DTensor, FSDP2 and TP need names) -----------------
 
@@ -426,7 +430,13 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
                 err, description, self._group_name, seq, self._global_ranks, _runtime.info().rank
             )
 
-        work = TPUWork(description, poll=self._poll, explain=explain)
+        work = TPUWork(
+            description,
+            poll=self._poll,
+            explain=explain,
+            complete_earlier=lambda: self._complete_before(work),
+        )
+        self._remember(work)
         # Watched from before dispatch: the first call of a program sets up XLA's
         # communicators inside dispatch and blocks there until every peer arrives.
         _track(work, self._group_name, self._global_ranks, seq, description, meta, params,
@@ -461,6 +471,28 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             raise error from err
         work._attach(outs, complete)
         return work
+
+    def _remember(self, work: TPUWork) -> None:
+        with self._unfinished_lock:
+            while self._unfinished and self._unfinished[0]._done:
+                self._unfinished.popleft()
+            self._unfinished.append(work)
+
+    def _complete_before(self, work: TPUWork) -> None:
+        """Complete every unfinished work this group issued before ``work``, oldest first.
+
+        XLA runs a group's programs in issue order, so theirs have finished (or are about
+        to) when ``work``'s has; only their finish steps (copies into outputs) may be left.
+        """
+        with self._unfinished_lock:
+            earlier = []
+            for other in self._unfinished:
+                if other is work:
+                    break
+                if not other._done:
+                    earlier.append(other)
+        for other in earlier:
+            other._complete(flush=False)
 
     def _ticket(self, seq: int, part: int) -> Ticket | None:
         """The ticket of this group's call ``seq`` if other groups share its devices, else None.

@@ -6,7 +6,9 @@ program is queued and its results are JAX arrays that are not ready yet (for
 backend's dispatcher thread starts it). :class:`TPUWork` completes the call:
 it waits for the start and for those arrays, and runs the op's *finish* step,
 which copies results into the caller's output tensors.
-The finish step runs exactly once, on whichever thread gets there first:
+The finish step runs exactly once, on whichever thread gets there first (and
+before it, the finish steps of every earlier unfinished work of the same
+group, so a collective's completion implies its predecessors' outputs):
 
 * ``work.wait()`` (what every synchronous torch.distributed call does),
 * ``work.is_completed()`` once the arrays are ready,
@@ -51,8 +53,10 @@ class TPUWork(dist._Work):
         on_done: Callable[[BaseException | None], None] | None = None,
         poll: bool = False,
         explain: Callable[[BaseException], dist.DistBackendError] | None = None,
+        complete_earlier: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
+        self._complete_earlier = complete_earlier
         self._description = description
         self._pending = list(pending)
         self._finish = finish
@@ -137,6 +141,10 @@ class TPUWork(dist._Work):
         ``before_wait`` (dispatching queued point-to-point ops), for helper threads."""
         if flush and self._before_wait is not None:
             self._before_wait()
+        if self._complete_earlier is not None and not self._done:
+            # Earlier works of the group first: when a collective is complete, so are the
+            # outputs of every collective issued before it on the group (as on gloo).
+            self._complete_earlier()
         with self._lock:
             if self._done:
                 return
