@@ -76,6 +76,12 @@ def _write(out: torch.Tensor, result: torch.Tensor) -> None:
         result = result.view(out.dtype)
     if result.shape != out.shape:
         result = result.view(out.shape)
+    if _checks.shares_memory_within(out):
+        # An expanded tensor of an in-place op: elements that share memory hold one value
+        # (gloo accepts these too); write it once, through the first index of each such dim.
+        for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
+            if stride == 0 and size > 1:
+                out, result = out.narrow(dim, 0, 1), result.narrow(dim, 0, 1)
     out.copy_(result)
 
 
@@ -609,6 +615,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             _checks.check_tensor(op, out, f"output_tensor_list[{i}]")
             _checks.check_same(op, tensor, out, f"output_tensor_list[{i}]")
             _checks.check_numel(op, out, tensor.numel(), f"output_tensor_list[{i}]")
+            _checks.check_output(op, out, f"output_tensor_list[{i}]")
 
         def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
             for out, chunk in zip(outputs, results[0].chunk(self.size())):
@@ -622,6 +629,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     ) -> TPUWork:
         op = "all_gather_into_tensor"
         self._check_gather_pair(op, output, input, "output")
+        _checks.check_output(op, output, "output")
 
         def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
             _write(output, results[0])
@@ -643,6 +651,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             )
         for i, (out, inp) in enumerate(zip(outputs, inputs)):
             self._check_gather_pair(op, out, inp, f"outputs[{i}]")
+            _checks.check_output(op, out, f"outputs[{i}]")
         if not inputs:
             return TPUWork.completed(op, [])
 
@@ -685,6 +694,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
                 _checks.check_tensor(op, out, f"gather_list[{i}]")
                 _checks.check_same(op, tensor, out, f"gather_list[{i}]")
                 _checks.check_numel(op, out, tensor.numel(), f"gather_list[{i}]")
+                _checks.check_output(op, out, f"gather_list[{i}]")
         elif output_tensors and any(output_tensors):
             raise ValueError(
                 f"{op}: gather_list must be empty or None on non-root rank {self.rank()} "
@@ -708,6 +718,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     ) -> TPUWork:
         op = "reduce_scatter"
         output = _checks.check_single(op, output_tensors)
+        _checks.check_output(op, output, "output")
         if len(input_tensors) != 1:
             raise ValueError(f"{op}: expected one input list, got {len(input_tensors)}.")
         inputs = input_tensors[0]
@@ -730,6 +741,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     ) -> TPUWork:
         op = "reduce_scatter_tensor"
         self._check_gather_pair(op, input, output, "input")
+        _checks.check_output(op, output, "output")
         params = _reduce_params(op, opts.reduceOp, input.dtype)
 
         def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -754,6 +766,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             )
         for i, (out, inp) in enumerate(zip(outputs, inputs)):
             self._check_gather_pair(op, inp, out, f"inputs[{i}]")
+            _checks.check_output(op, out, f"outputs[{i}]")
         if not inputs:
             return TPUWork.completed(op, [])
         params = {_reduce_params(op, opts.reduceOp, t.dtype) for t in inputs}
@@ -798,6 +811,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     ) -> TPUWork:
         op = "scatter"
         output = _checks.check_single(op, output_tensors)
+        _checks.check_output(op, output, "output")
         _checks.check_rank(op, opts.rootRank, self.size(), "src")
         if self.rank() == opts.rootRank:
             if len(input_tensors) != 1:
@@ -840,6 +854,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         _checks.check_tensor(op, input, "input")
         _checks.check_tensor(op, output, "output")
         _checks.check_same(op, input, output, "output")
+        _checks.check_output(op, output, "output")
         size = self.size()
         in_rows = input.shape[0] if input.dim() else 1
         out_rows = output.shape[0] if output.dim() else 1
@@ -894,6 +909,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         for i, t in enumerate(output_tensors):
             _checks.check_tensor(op, t, f"output_tensor_list[{i}]")
             _checks.check_same(op, input_tensors[0], t, f"output_tensor_list[{i}]")
+            _checks.check_output(op, t, f"output_tensor_list[{i}]")
         send_chunks = [_words(t) for t in input_tensors]
 
         def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -955,6 +971,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         """The one tensor of a send/recv to group rank ``peer``, checked."""
         tensor = _checks.check_single(op, tensors)
         _checks.check_rank(op, peer, self.size(), "dst" if is_send else "src")
+        if not is_send:
+            _checks.check_output(op, tensor, "tensor")
         if peer == self.rank():
             raise ValueError(
                 f"{op}: rank {self.rank()} cannot {op} to itself on the 'tpu' backend; "

@@ -91,6 +91,27 @@ def check_tensor(op_name: str, tensor: object, what: str = "tensor") -> torch.Te
     return tensor
 
 
+def shares_memory_within(tensor: torch.Tensor) -> bool:
+    """True if elements of ``tensor`` share memory (a stride-0 dim, as ``expand`` makes)."""
+    return any(stride == 0 and size > 1 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+def check_output(op_name: str, tensor: torch.Tensor, what: str) -> None:
+    """Check that ``tensor`` can hold an output: no two of its elements share memory.
+
+    In-place ops (all_reduce, broadcast, reduce) take such a tensor, as gloo does: the
+    elements that share memory hold the same value. An output that only receives
+    (all_gather, scatter, ...) would need different values in one place.
+    """
+    if shares_memory_within(tensor):
+        raise ValueError(
+            f"{op_name}: {what} (shape {tuple(tensor.shape)}, stride {tuple(tensor.stride())}) "
+            "has elements that share memory (a stride-0 dim, e.g. from expand()), so it "
+            "cannot receive different values; pass a tensor of its own, e.g. "
+            "torch.empty_like(t) or t.clone()."
+        )
+
+
 def check_single(op_name: str, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Check that exactly one tensor is given (as c10d passes ``[tensor]``)."""
     if len(tensors) != 1:

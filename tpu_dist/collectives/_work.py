@@ -163,6 +163,7 @@ class TPUWork(dist._Work):
                     )
                 self._error.__cause__ = err
             self._pending = []
+            _runtime.release_results()
             self._dispatching = None
             self._finish = None
             self._done = True
