@@ -201,3 +201,63 @@ def test_all_reduce_peak_memory_is_input_plus_one_buffer(world: World) -> None:
     for extra, correct in world.run(_all_reduce_peak, 64, 3):
         assert correct
         assert extra <= 64 * 1.25, f"peak {extra:.0f} MiB above a 64 MiB input"
+
+
+# -- issue 15: all_gather_coalesced and recv from any source (torch's own suite uses both) --
+
+
+def _all_gather_coalesced(rank: int, world_size: int) -> list:
+    inputs = [
+        torch.full((2, 2), float(rank)),
+        torch.empty(0),
+        torch.arange(3, dtype=torch.int64) + 10 * rank,
+        torch.full((1,), rank, dtype=torch.bool),
+    ]
+    outputs = [[torch.empty_like(t) for t in inputs] for _ in range(world_size)]
+    dist.all_gather_coalesced(outputs, inputs)
+    return [[t.tolist() for t in per_rank] for per_rank in outputs]
+
+
+def test_all_gather_coalesced(world: World) -> None:
+    expected = [
+        [[[float(r)] * 2] * 2, [], [10 * r, 10 * r + 1, 10 * r + 2], [bool(r)]] for r in range(2)
+    ]
+    assert world.run(_all_gather_coalesced) == [expected] * 2
+
+
+def _recv_any_source(rank: int, world_size: int) -> list[tuple[int, bool]]:
+    """Rank 0 receives twice from any source per peer (recv, then irecv); peers send their rank."""
+    got = []
+    if rank == 0:
+        for _ in range(world_size - 1):
+            for kind in ("recv", "irecv"):
+                t = torch.full((5,), -1.0)
+                if kind == "recv":
+                    sender = dist.recv(t)
+                else:
+                    work = dist.irecv(t)
+                    work.wait()
+                    sender = work._source_rank()
+                got.append((sender, bool(torch.all(t == sender))))
+        # A tagged one after them: the same path with tag 7.
+        t = torch.empty(2)
+        got.append((dist.recv(t, tag=7), bool(torch.all(t == 42.0))))
+    else:
+        dist.send(torch.full((5,), float(rank)), 0)
+        dist.send(torch.full((5,), float(rank)), 0)
+        if rank == world_size - 1:
+            dist.send(torch.full((2,), 42.0), 0, tag=7)
+    dist.barrier()
+    return got
+
+
+def test_recv_from_any_source(world: World) -> None:
+    results = world.run(_recv_any_source)
+    assert results == [[(1, True), (1, True), (1, True)], []]
+
+
+def test_recv_from_any_source_three_ranks(worlds: Callable[..., World]) -> None:
+    results = worlds(3, backend="tpu", timeout=120).run(_recv_any_source)
+    senders = [s for s, _ in results[0][:-1]]
+    assert sorted(senders) == [1, 1, 2, 2] and all(ok for _, ok in results[0])
+    assert results[0][-1] == (2, True)

@@ -141,6 +141,11 @@ class _P2PQueue:
 
 
 _p2p_queue = _P2PQueue()
+
+
+def _sent_key(src: int, dst: int, tag: int) -> str:
+    """The store counter of sends from group rank ``src`` to ``dst`` with ``tag``."""
+    return f"tpu_dist/p2p_sent/{src}/{dst}/{tag}"
 _p2p_seq: dict[str, int] = {}
 _CALL_BYTES = 256
 
@@ -343,6 +348,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         super().__init__(rank, size)
         self._store = store
         self._delegates = {}  # device type -> the backend for its tensors (see _delegate)
+        # Receives from any source (recv without src): how many sends from each (group rank,
+        # tag) this rank has received; senders count theirs in the group's store.
+        self._received: dict[tuple[int, int], int] = {}
         self._global_ranks = list(global_ranks)
         if devices is None:
             every = _runtime.global_devices()
@@ -423,6 +431,17 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             # Nothing to move; every rank of the group sees the same empty shapes.
             empty = [b.new_empty(0) for b in blocks]
             return TPUWork.completed(description, finish(empty))
+        # Empty blocks among others (a coalesced call) stay out of the program (XLA refuses
+        # zero-length collectives) and get empty results back.
+        empties = [b.new_empty(0) if b.numel() == 0 else None for b in blocks]
+        if any(e is not None for e in empties):
+            blocks = [b for b in blocks if b.numel()]
+            whole = finish
+
+            def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+                it = iter(results)
+                return whole([e if e is not None else next(it) for e in empties])
+
         arrays = [_runtime.to_jax(b) for b in blocks]
         meta = tuple((b.numel(), _DTYPE_NAMES[b.dtype]) for b in blocks)
         if self._check_calls:
@@ -663,6 +682,41 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         return self._launch(
             op, "allgather", (), [_words(t) for t in inputs], finish, async_op=opts.asyncOp
         )
+
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: dist.AllgatherOptions,
+    ) -> TPUWork:
+        """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank r's ``input_tensors[i]``."""
+        op = "all_gather_coalesced"
+        _checks.check_list(op, output_lists, self.size(), "output_tensor_lists")
+        for i, t in enumerate(input_tensors):
+            _checks.check_tensor(op, t, f"input_tensor_list[{i}]")
+        for r, outputs in enumerate(output_lists):
+            if len(outputs) != len(input_tensors):
+                raise ValueError(
+                    f"{op}: output_tensor_lists[{r}] has {len(outputs)} tensors for "
+                    f"{len(input_tensors)} inputs; pass one output per input for every rank."
+                )
+            for i, (out, inp) in enumerate(zip(outputs, input_tensors)):
+                what = f"output_tensor_lists[{r}][{i}]"
+                _checks.check_tensor(op, out, what)
+                _checks.check_same(op, inp, out, what)
+                _checks.check_numel(op, out, inp.numel(), what)
+                _checks.check_output(op, out, what)
+        if not input_tensors:
+            return TPUWork.completed(op, [])
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            for i, gathered in enumerate(results):
+                for outputs, chunk in zip(output_lists, gathered.chunk(self.size())):
+                    _write(outputs[i], chunk)
+            return [out for outputs in output_lists for out in outputs]
+
+        blocks = [_words(t) for t in input_tensors]
+        return self._launch(op, "allgather", (), blocks, finish, async_op=opts.asyncOp)
 
     def _check_gather_pair(
         self, op: str, big: torch.Tensor, small: torch.Tensor, what: str
@@ -953,17 +1007,70 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     # -- point to point -----------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TPUWork:
-        return self._queue_p2p("send", tensors, dst, tag, is_send=True)
+        work = self._queue_p2p("send", tensors, dst, tag, is_send=True)
+        if self.size() > 2 and self._store is not None:
+            # Count the send where a receiver from any source can see it (recv_anysource).
+            self._store.add(_sent_key(self.rank(), dst, tag), 1)
+        return work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TPUWork:
-        return self._queue_p2p("recv", tensors, src, tag, is_send=False)
+        work = self._queue_p2p("recv", tensors, src, tag, is_send=False)
+        self._received[(src, tag)] = self._received.get((src, tag), 0) + 1
+        return work
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TPUWork:
-        raise ValueError(
-            "recv: receiving from any source (src=None) is not supported by the 'tpu' "
-            "backend: an XLA collective program is compiled for a fixed pair of devices, "
-            "so both ends must be known. Pass src=, or use all_gather to learn who sends."
-        )
+        """``recv`` without ``src``: receive the next send to this rank with ``tag``.
+
+        An XLA program needs both ends when it is compiled, so the source is learnt
+        first: every send of a group of more than two ranks adds one to a counter per
+        (source, destination, tag) in the group's store, and this rank takes a source
+        whose counter is ahead of what it has received from it (in a group of two the
+        source is the other rank). Then it is an ordinary ``recv`` from that source.
+        ``work._source_rank()`` (and so ``dist.recv``) gives the sender's group rank.
+        """
+        op = "recv"
+        tensor = _checks.check_single(op, tensors)
+        _checks.check_output(op, tensor, "tensor")
+        work = TPUWork(f"recv (any source, tag {tag})", (), list)
+
+        def receive() -> None:
+            if work._source is not None:
+                return
+            src = self._wait_for_sender(int(tag))
+            inner = self.recv([tensor], src, tag)
+            inner.wait()
+            work._source = src
+            work._attach((), lambda: [tensor])
+
+        work._before_wait = receive
+        return work
+
+    def _wait_for_sender(self, tag: int) -> int:
+        """A group rank with a send to this rank (``tag``) that was not received yet."""
+        me = self.rank()
+        peers = [r for r in range(self.size()) if r != me]
+        if len(peers) == 1:
+            return peers[0]
+        if self._store is None:
+            raise RuntimeError(
+                "recv: receiving from any source needs the group's store; this group was "
+                "created without one."
+            )
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        delay = 1e-3
+        while True:
+            for src in peers:
+                sent = self._store.add(_sent_key(src, me, tag), 0)
+                if sent > self._received.get((src, tag), 0):
+                    return src
+            if time.monotonic() > deadline:
+                raise dist.DistBackendError(
+                    f"tpu_dist: recv from any source (tag {tag}) on rank {me} of group "
+                    f"{self._group_name!r}: no rank sent within the group's timeout "
+                    f"({self._timeout.total_seconds():.0f} s)."
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
 
     def _check_p2p(
         self, op: str, tensors: list[torch.Tensor], peer: int, *, is_send: bool

@@ -57,6 +57,8 @@ class TPUWork(dist._Work):
     ) -> None:
         super().__init__()
         self._complete_earlier = complete_earlier
+        self._source: int | None = None
+        """The sender's group rank, for a receive from any source."""
         self._description = description
         self._pending = list(pending)
         self._finish = finish
@@ -203,6 +205,16 @@ class TPUWork(dist._Work):
                 self._before_wait()
             self._complete_if_finished()
         return self._done
+
+    def _source_rank(self) -> int:
+        """The group rank a receive from any source got its data from (as gloo's)."""
+        self.wait()
+        if self._source is None:
+            raise RuntimeError(
+                f"tpu_dist: _source_rank() is defined for a receive from any source; "
+                f"this work is {self._description!r}."
+            )
+        return self._source
 
     def is_success(self) -> bool:
         """True if the collective completed without error."""
