@@ -24,7 +24,8 @@ Examples::
 
     python -m tests.torch_suite                       # tpu, 2 ranks, the non-DDP subset
     python -m tests.torch_suite --backend gloo        # the same tests on gloo, for reference
-    python -m tests.torch_suite -k all_gather_coalesced -k any_source
+    python -m tests.torch_suite -k all_gather_coalesced      # names containing it
+    python -m tests.torch_suite --test test_send_recv_any_source
     python -m tests.torch_suite --ddp --list
 """
 
@@ -43,6 +44,8 @@ def _parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--backend", default=os.environ.get("BACKEND", "tpu"))
     parser.add_argument("--world-size", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
     parser.add_argument("-k", action="append", default=[], help="substring of test names")
+    parser.add_argument("--test", action="append", default=[],
+                        help="an exact test name (repeatable); overrides the selection")
     parser.add_argument("--ddp", action="store_true", help="select the DDP tests")
     parser.add_argument("--list", action="store_true", help="print the selected tests")
     parser.add_argument("--include-skipped", action="store_true",
@@ -113,7 +116,7 @@ class _Counting(unittest.TextTestResult):
 
 
 def main(args: argparse.Namespace) -> int:
-    names = selected(args.ddp, args.k, args.include_skipped)
+    names = args.test or selected(args.ddp, args.k, args.include_skipped)
     if args.list:
         print("\n".join(names))
         return 0
