@@ -260,3 +260,28 @@ def test_recv_from_any_source_three_ranks(worlds: Callable[..., World]) -> None:
     senders = [s for s, _ in results[0][:-1]]
     assert sorted(senders) == [1, 1, 2, 2] and all(ok for _, ok in results[0])
     assert results[0][-1] == (2, True)
+
+
+# -- item 10: mismatched calls without TORCH_DISTRIBUTED_DEBUG=DETAIL -----------------------
+
+
+def _broadcast_different_src(rank: int, world_size: int) -> tuple[str, list[float]]:
+    t = torch.full((4,), float(rank + 1))
+    try:
+        dist.broadcast(t, src=rank)  # every rank names itself: a mismatch
+        outcome = "returned"
+    except dist.DistBackendError as err:
+        outcome = "different src" if "different src" in str(err) else str(err)
+    after = torch.full((2,), float(rank))
+    dist.all_reduce(after)  # the group is still usable
+    return outcome, t.tolist() + after.tolist()
+
+
+def test_broadcast_with_different_src_per_rank_raises_on_tpu(
+    worlds: Callable[..., World],
+) -> None:
+    # gloo returns silently here (each rank keeps its own tensor); "tpu" returned a sum of
+    # both ranks' data at ebba644 and now raises on every rank, leaving the tensor as it was.
+    results = worlds(2, backend="tpu", timeout=120).run(_broadcast_different_src)
+    assert results == [("different src", [1.0] * 4 + [1.0, 1.0]),
+                       ("different src", [2.0] * 4 + [1.0, 1.0])]

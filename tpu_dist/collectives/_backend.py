@@ -846,15 +846,32 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         op = "broadcast"
         tensor = _checks.check_single(op, tensors)
         _checks.check_rank(op, opts.rootRank, self.size(), "src")
-        is_root = self.rank() == opts.rootRank
+        root = opts.rootRank
+        is_root = self.rank() == root
+        # Every rank also adds (src + 1, (src + 1)**2) over the group in the same program: both
+        # sums are size times this rank's values on every rank only if every rank passed the
+        # same src (equal mean and mean of squares: no spread). Without it ranks that disagree
+        # on src got a sum of several ranks' data and returned it silently.
+        mark = root + 1
+        header = torch.tensor([mark, mark * mark], dtype=torch.int32)
 
         def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            total, squares = results[1].tolist()
+            if (total, squares) != (self.size() * mark, self.size() * mark * mark):
+                raise dist.DistBackendError(
+                    f"tpu_dist: broadcast on rank {self._global_ranks[self.rank()]} of group "
+                    f"{self._group_name!r}: the ranks of the group passed different src "
+                    f"values (this rank: src={root}; the group's mean: "
+                    f"{total / self.size() - 1:g}). Every rank must pass the same src; "
+                    "the tensor was left unchanged."
+                )
             if not is_root:
                 _write(tensor, results[0])
             return [tensor]
 
         return self._launch(
-            op, "broadcast", (opts.rootRank,), [_words(tensor)], finish, async_op=opts.asyncOp
+            op, "broadcast", (root, True), [_words(tensor), header], finish,
+            async_op=opts.asyncOp,
         )
 
     def scatter(

@@ -370,11 +370,17 @@ def _alltoall(size: int):
     return body
 
 
-def _broadcast(size: int, root: int):
-    # Integer words: only the root contributes non-zeros, so the sum is its exact bits.
+def _broadcast(size: int, root: int, checked: bool = False):
+    # Integer words: only the root contributes non-zeros, so the sum is its exact bits. With
+    # ``checked`` the last block is a header every rank contributes to (the backend's check
+    # that all ranks agree on the root).
     def body(*blocks):
         mine = lax.axis_index(AXIS) == root
-        return tuple(lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), AXIS) for x in blocks)
+        data = blocks[:-1] if checked else blocks
+        outs = [lax.psum(jnp.where(mine, x, jnp.zeros_like(x)), AXIS) for x in data]
+        if checked:
+            outs.append(lax.psum(blocks[-1], AXIS))
+        return tuple(outs)
 
     return body
 
