@@ -181,17 +181,23 @@ def test_point_to_point(world: World) -> None:
     assert world.run(_point_to_point, timeout=300) == [[]] * world.world_size
 
 
-def _recv_any_source(rank: int, world_size: int) -> str:
-    try:
-        dist.recv(torch.empty(1))
-    except ValueError as err:
-        return str(err)
-    return "no error"
+def _recv_any_source(rank: int, world_size: int) -> list[tuple[int, bool]]:
+    """Rank 0 receives from any source once per peer; each peer sends its rank."""
+    got = []
+    if rank == 0:
+        for _ in range(world_size - 1):
+            t = torch.full((3,), -1.0)
+            sender = dist.recv(t)
+            got.append((sender, bool(torch.all(t == sender))))
+    else:
+        dist.send(torch.full((3,), float(rank)), 0)
+    dist.barrier()
+    return got
 
 
-def test_recv_from_any_source_is_a_clear_error(world: World) -> None:
-    messages = world.run(_recv_any_source)
-    assert all("any source" in m and "src=" in m for m in messages), messages
+def test_recv_from_any_source(world: World) -> None:
+    results = world.run(_recv_any_source)
+    assert sorted(results[0]) == [(r, True) for r in range(1, world.world_size)], results
 
 
 def _objects(rank: int, world_size: int) -> list[str]:

@@ -291,9 +291,11 @@ class _Dispatcher:
 
 _dispatcher = _Dispatcher()
 
-#: Sorted device ids -> how many "tpu" groups of this process were created over that set. The
-#: same on every member rank, since groups are created by every member in the same order.
+#: Sorted device ids -> how many live "tpu" groups of this process are over that set, and how
+#: many were ever created over it (a new group's index, never reused). The same on every
+#: member rank, since groups are created (and destroyed) by every member in the same order.
 _groups_per_device_set: dict[tuple[int, ...], int] = {}
+_created_per_device_set: dict[tuple[int, ...], int] = {}
 
 
 def _track(
@@ -359,8 +361,12 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._device_ids = tuple(d.id for d in self._devices)
         self._device_set = tuple(sorted(self._device_ids))
         # This group's index among the groups over its device set (see _Dispatcher).
-        self._index_in_set = _groups_per_device_set.get(self._device_set, 0)
-        _groups_per_device_set[self._device_set] = self._index_in_set + 1
+        self._index_in_set = _created_per_device_set.get(self._device_set, 0)
+        _created_per_device_set[self._device_set] = self._index_in_set + 1
+        _groups_per_device_set[self._device_set] = (
+            _groups_per_device_set.get(self._device_set, 0) + 1
+        )
+        self._live = True
         self._timeout = timeout
         self._group_name = ""
         self._group_desc = ""
@@ -409,6 +415,13 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     def _set_default_timeout(self, timeout: timedelta) -> None:
         """What torch's backends call this; see :func:`tpu_dist.collectives.set_timeout`."""
         self._timeout = timeout
+
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: the group no longer shares its devices."""
+        if self._live:
+            self._live = False
+            _groups_per_device_set[self._device_set] -= 1
+        super().shutdown()
 
     # -- the common path ------------------------------------------------------
 
