@@ -308,9 +308,15 @@ def _track(
     params: tuple,
     timeout: timedelta,
 ) -> None:
-    """Record ``work`` in the flight recorder and put it under the watchdog."""
-    entry = flight_recorder.recorder().record(group, group_ranks, seq, op, meta, params)
+    """Record ``work`` in the flight recorder and put it under the watchdog.
+
+    Raises:
+        torch.distributed.DistBackendError: the group failed earlier (raise policy).
+    """
     watchdog = _watchdog.get()
+    if watchdog is not None:
+        watchdog.check_usable(group, op)
+    entry = flight_recorder.recorder().record(group, group_ranks, seq, op, meta, params)
     if watchdog is not None:
         watchdog.issued(group, seq)
         watchdog.watch(_watchdog.InFlight(
@@ -392,6 +398,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
 
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
+        watchdog = _watchdog.get()
+        if watchdog is not None:
+            watchdog.group_created(name)
 
     def getGroupName(self) -> str:  # noqa: N802
         return self._group_name

@@ -87,7 +87,7 @@ def _create_process_group(
         # The default group (torch passes no ranks for it): start JAX, or check
         # that the running JAX runtime has this world.
         _runtime.start(dist_opts.store, rank, size, dist_opts.timeout)
-        _watchdog.start(dist_opts.store, rank, size)
+        _watchdog.start(dist_opts.store, rank, size, dist_opts.timeout)
         flight_recorder.install_signal_handler(rank)
         global_ranks = list(range(size))
     elif _runtime.info() is None:

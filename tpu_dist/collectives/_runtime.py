@@ -7,8 +7,23 @@ distributed initialization per process).
 
 * Start. ``jax.distributed.initialize`` is called with one JAX process per
   torch rank. The coordinator address is exchanged through the group's c10d
-  store: rank 0 binds a free port (never the store's own port, which would
-  collide) and publishes ``host:port``; the others read it.
+  store under a key of this launch attempt (:func:`attempt`): rank 0 binds a
+  free port (never the store's own port, which would collide) and publishes
+  ``host:port``; the others read it. A restarted job (``tpu-launch
+  --max-restarts``) never reads the address of an earlier attempt.
+* What listens where. Rank 0 hosts JAX's coordination service (gRPC) on the
+  address it advertises: ``MASTER_ADDR`` (or this host's address) and a free
+  port, bound to that host's interface only (``JAX_COORDINATOR_BIND_ADDRESS``
+  overrides the bind address, as for JAX). XLA's CPU collectives (gloo) open
+  their own ports on the interface of each rank's address.
+* Lifetime. The coordination service runs *recoverable* (a JAX option): a
+  process that exits or dies is not a fatal error for the others, and there
+  is no shutdown barrier, so each rank exits when it is done, with its own
+  exit code. JAX's own heartbeats are off (a timeout of ~11 days): the
+  watchdog (``_watchdog``) decides who is gone. The one process that cannot
+  leave early is rank 0, which hosts the service: JAX ends every process that
+  still uses a service that went away, so rank 0 waits at exit until the
+  others have exited (see ``Watchdog.at_exit``).
 * Platform. ``TPU_DIST_PLATFORM`` = ``auto`` (default: TPU when a TPU is
   attached, else CPU), ``cpu``, ``tpu`` or ``gpu``. On CPU each rank owns one
   XLA CPU device and collectives ride XLA's CPU collectives (gloo).
@@ -42,7 +57,12 @@ logger = logging.getLogger(__name__)
 PLATFORM_ENV = "TPU_DIST_PLATFORM"
 COORDINATOR_ENV = "TPU_DIST_COORDINATOR_ADDRESS"
 _PLATFORMS = ("auto", "cpu", "tpu", "gpu")
-_COORDINATOR_KEY = "tpu_dist/jax_coordinator_address"
+_COORDINATOR_KEY = "jax_coordinator_address"
+_RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+_BIND_ENV = "JAX_COORDINATOR_BIND_ADDRESS"
+# JAX's heartbeats would end every process after a rank stopped answering for this long (or
+# when rank 0's service went away): long enough never to fire. tpu_dist's watchdog decides.
+_JAX_HEARTBEAT_TIMEOUT_S = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -149,13 +169,19 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> 
         address = _exchange_coordinator_address(store, rank, timeout)
         init_timeout = max(int(timeout.total_seconds()), 10)
         sigterm = signal.getsignal(signal.SIGTERM)
+        # A process that exits is not an error for the others (no error propagation, no
+        # shutdown barrier); JAX's preemption notifier would swallow SIGTERM.
+        jax.config.update("jax_enable_recoverability", True)
+        jax.config.update("jax_enable_preemption_service", False)
         try:
             jax.distributed.initialize(
                 coordinator_address=address,
                 num_processes=world_size,
                 process_id=rank,
                 initialization_timeout=init_timeout,
+                heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
                 shutdown_timeout_seconds=60,
+                coordinator_bind_address=bind_address(address),
             )
         except RuntimeError as err:
             if "must be called before" in str(err):
@@ -185,13 +211,41 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> 
         return _info
 
 
+def attempt() -> int:
+    """This launch attempt: ``TORCHELASTIC_RESTART_COUNT`` (0 without a restarting launcher).
+
+    torch.distributed.elastic keeps its store across restarts of the worker group, so every
+    key tpu_dist puts in the c10d store is namespaced by the attempt (:func:`store_prefix`).
+    """
+    raw = os.environ.get(_RESTART_ENV, "0").strip() or "0"
+    if not raw.isdigit():
+        raise ValueError(f"{_RESTART_ENV}={raw!r} is not a restart count (0, 1, ...).")
+    return int(raw)
+
+
+def store_prefix() -> str:
+    """The prefix of every c10d store key of tpu_dist in this launch attempt."""
+    return f"tpu_dist/attempt{attempt()}/"
+
+
+def bind_address(address: str) -> str:
+    """Where rank 0's coordination service listens: the address it advertises.
+
+    JAX's default is ``[::]:port``, every interface; tpu_dist binds the advertised host's
+    interface only, so a job told to use 127.0.0.1 stays on loopback.
+    ``JAX_COORDINATOR_BIND_ADDRESS`` (JAX's own variable) wins when set.
+    """
+    return os.environ.get(_BIND_ENV) or address
+
+
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
+    key = store_prefix() + _COORDINATOR_KEY
     if rank == 0:
         address = os.environ.get(COORDINATOR_ENV) or f"{_host_address()}:{_free_port()}"
-        store.set(_COORDINATOR_KEY, address)
+        store.set(key, address)
         return address
-    store.wait([_COORDINATOR_KEY], timeout)
-    return store.get(_COORDINATOR_KEY).decode()
+    store.wait([key], timeout)
+    return store.get(key).decode()
 
 
 def _host_address() -> str:

@@ -1,18 +1,24 @@
-"""The watchdog: no collective hangs silently.
+"""The watchdog: no collective hangs silently, and every rank can exit.
 
 XLA's CPU collectives take no timeout, and a collective whose peer died or
 stopped blocks inside XLA where Python cannot reach it. Two daemon threads per
 process watch instead:
 
-* the *heartbeat* thread writes ``tpu_dist/heartbeat/<rank>`` = ``"<count> <progress>"``
-  into the default group's c10d store every ``interval`` seconds (progress: the
-  last sequence number this rank issued in each group), and while a
-  collective is in flight it reads the heartbeats of that group's ranks;
-* the *watchdog* thread looks at every collective in flight. A peer whose
-  heartbeat has not changed for ``TPU_DIST_HEARTBEAT_TIMEOUT`` seconds (default
-  10) is gone (exited, killed, or stopped); a collective older than its
-  group's timeout has timed out, and the ranks whose progress is below its
-  sequence number are the ones that did not arrive.
+* the *heartbeat* thread writes ``heartbeat/<rank>`` =
+  ``"<count>|<progress>|<waiting>"`` into the default group's c10d store every
+  ``interval`` seconds (progress: the last sequence number this rank issued in
+  each group; waiting: the ranks its collectives in flight wait for), reads the
+  heartbeats and exit notes of the ranks it waits for, and the failure notes of
+  its groups;
+* the *watchdog* thread looks at every collective in flight. A peer is *gone*
+  when it has exited (each rank notes its exit in the store), or when it runs
+  on this host and its process is dead, or stopped (SIGSTOP) with no heartbeat
+  for ``TPU_DIST_HEARTBEAT_TIMEOUT`` seconds (default 10). A peer that is only
+  silent (on another host, or holding the GIL in a long C call: the heartbeat
+  thread needs the GIL) is not declared dead: the group's timeout decides, as
+  on gloo. A collective older than its group's timeout has timed out, and the
+  ranks whose progress is below its sequence number are the ones that did not
+  arrive.
 
 What happens then is ``TPU_DIST_TIMEOUT_POLICY``:
 
@@ -20,9 +26,21 @@ What happens then is ``TPU_DIST_TIMEOUT_POLICY``:
   the flight record, and end the process with exit code 1 so the launcher can
   restart the group. The XLA program cannot be unwound, so this is the only
   way to free the process.
-* ``raise``: the waiting ``work.wait()`` raises ``DistBackendError``; the XLA
-  program stays stuck in the background and the group is unusable, so the
-  program should dump state and exit itself.
+* ``raise``: the waiting ``work.wait()`` raises ``DistBackendError`` and the
+  group is marked failed in the store: on every rank of the group its
+  collectives in flight and every later one raise ``DistBackendError`` (a late
+  rank does not run the collective its peers gave up on) until the group is
+  re-created. The XLA program stays stuck in the background, so the program
+  should dump state and exit; it can, with its own exit code.
+
+At exit (``atexit``, before JAX's own teardown) :meth:`Watchdog.at_exit`
+completes the collectives still in flight, notes the exit in the store, and on
+rank 0, which hosts JAX's coordination service, waits until every other rank
+has exited, died, or is blocked on a collective rank 0 will never join: JAX
+ends any process whose coordination service went away.
+
+Every key lives under the launch attempt's prefix (``_runtime.store_prefix``),
+so a restarted job never reads an earlier attempt's notes.
 """
 
 from __future__ import annotations
@@ -30,6 +48,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -48,7 +67,10 @@ logger = logging.getLogger(__name__)
 
 POLICY_ENV = "TPU_DIST_TIMEOUT_POLICY"
 HEARTBEAT_TIMEOUT_ENV = "TPU_DIST_HEARTBEAT_TIMEOUT"
-_KEY = "tpu_dist/heartbeat/"
+_KEY = "heartbeat/"
+_EXITED = "exited/"
+_PROCESS = "process/"
+_FAILED_GROUP = "failed_group/"
 
 Policy = Literal["abort", "raise"]
 
@@ -115,6 +137,21 @@ class Watchdog:
         self._watch_ranks: set[int] = set()
         self._io_alive = time.monotonic()
         self._fired: set[int] = set()
+        # Peers that noted their exit (rank -> local time first seen), and where each peer
+        # runs (rank -> pid on this host, or None elsewhere).
+        self._exited: dict[int, float] = {}
+        self._pids: dict[int, int | None] = {}
+        # group name -> how many groups of that name this process created (a re-created
+        # group starts clean), and the failure notes seen for the current one.
+        self._epochs: dict[str, int] = {}
+        self._failed_groups: dict[str, str] = {}
+        self._members: dict[str, list[int]] = {}
+        self.group_timeout = 1800.0
+        """The default group's timeout: how long rank 0 waits at exit for a silent peer."""
+        try:
+            self._store.set(f"{_PROCESS}{rank}", f"{_host_id()} {os.getpid()}")
+        except Exception as err:  # the watch loop reports a store that does not answer
+            logger.debug("tpu_dist watchdog: %s", err)
         for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watchdog")):
             threading.Thread(target=target, name=f"tpu_dist-{name}", daemon=True).start()
 
@@ -124,9 +161,30 @@ class Watchdog:
         """Note that this rank issued collective ``seq`` of ``group``."""
         self._progress[group] = seq
 
+    def group_created(self, group: str) -> None:
+        """A group named ``group`` was (re-)created on this rank: it starts usable."""
+        self._epochs[group] = self._epochs.get(group, -1) + 1
+        self._failed_groups.pop(group, None)
+
+    def check_usable(self, group: str, op: str) -> None:
+        """Raise ``DistBackendError`` if a collective of ``group`` failed (raise policy).
+
+        Raises:
+            torch.distributed.DistBackendError: the group is failed on this or another rank.
+        """
+        reason = self._failed_groups.get(group)
+        if reason is not None:
+            raise dist.DistBackendError(
+                f"tpu_dist: {op} on group {group!r} refused on rank {self.rank}: the group "
+                f"failed earlier ({reason}). Its ranks disagree on which collectives "
+                "completed, so it cannot be used again: destroy it and create a new group "
+                "(or restart the job)."
+            )
+
     def watch(self, item: InFlight) -> None:
         with self._lock:
             self._in_flight[id(item.work)] = item
+            self._members[item.group] = item.group_ranks
 
     def done(self, work: object) -> None:
         with self._lock:
@@ -153,8 +211,78 @@ class Watchdog:
                 item.work._complete(flush=False)
                 self.done(item.work)
 
+    def at_exit(self) -> None:
+        """Registered with ``atexit`` (it runs before JAX's own exit handlers).
+
+        Completes the collectives in flight, notes this rank's exit in the store (a peer
+        waiting for this rank fails at once instead of at its timeout), and on rank 0 waits
+        for the other ranks (see the module docstring).
+        """
+        self.finish_in_flight()
+        try:
+            self._store.set(f"{_EXITED}{self.rank}", "1")
+        except Exception:  # the store is gone: nobody is left to tell
+            return
+        if self.rank == 0 and self.world_size > 1:
+            self._linger()
+
+    def _linger(self) -> None:
+        peers = set(range(1, self.world_size))
+        started = time.monotonic()
+        said = False
+        seen: dict[int, tuple[str, float]] = {}
+        while peers:
+            now = time.monotonic()
+            try:
+                for peer in sorted(peers):
+                    if self._store.check([f"{_EXITED}{peer}"]):
+                        peers.discard(peer)
+                        continue
+                    value = self._read_heartbeat(peer)
+                    if seen.get(peer, ("", 0.0))[0] != value:
+                        seen[peer] = (value, now)
+                    silent = now - seen[peer][1]
+                    state = self._process_state(peer)
+                    if state == "dead" or (state is None and silent > self.group_timeout):
+                        peers.discard(peer)
+                        continue
+                    if self.rank in _parse_heartbeat(value)[2]:
+                        print(
+                            f"tpu_dist: rank {self.rank} exits while rank {peer} waits for it "
+                            "in a collective; JAX's coordination service (on rank 0) goes "
+                            "with it, which ends the ranks still running.",
+                            file=sys.stderr, flush=True,
+                        )
+                        return
+            except Exception:  # the store went away: the job is over
+                return
+            if not said and now - started > 2.0:
+                said = True
+                print(
+                    f"tpu_dist: rank 0 waits for rank(s) {sorted(peers)} to exit before "
+                    "exiting itself: it hosts JAX's coordination service, which they use "
+                    "until they exit.",
+                    file=sys.stderr, flush=True,
+                )
+            time.sleep(0.1)
+
+    def _read_heartbeat(self, peer: int) -> str:
+        key = f"{_KEY}{peer}"
+        return self._store.get(key).decode() if self._store.check([key]) else ""
+
+    def _process_state(self, peer: int) -> str | None:
+        """``"dead"``, ``"stopped"`` or ``"running"`` for a peer on this host, else None."""
+        if peer not in self._pids:
+            key = f"{_PROCESS}{peer}"
+            if not self._store.check([key]):
+                return None
+            host, _, pid = self._store.get(key).decode().rpartition(" ")
+            self._pids[peer] = int(pid) if host == _host_id() else None
+        pid = self._pids[peer]
+        return None if pid is None else _pid_state(pid)
+
     def _report_failure(self, group: str, seq: int, group_ranks: list[int], wait: float) -> list[int]:
-        prefix = f"tpu_dist/failed/{group}/{seq}/"
+        prefix = f"failed/{group}/{seq}/"
         self._store.set(f"{prefix}{self.rank}", "1")
         deadline = time.monotonic() + wait
         missing = [r for r in group_ranks if r != self.rank]
@@ -171,13 +299,19 @@ class Watchdog:
             try:
                 self._beats += 1
                 progress = ",".join(f"{g}={s}" for g, s in list(self._progress.items()))
-                self._store.set(f"{_KEY}{self.rank}", f"{self._beats} {progress}")
+                waiting = ",".join(str(r) for r in sorted(self._watch_ranks))
+                self._store.set(f"{_KEY}{self.rank}", f"{self._beats}|{progress}|{waiting}")
                 for peer in list(self._watch_ranks):
-                    value = self._store.get(f"{_KEY}{peer}").decode() if self._store.check(
-                        [f"{_KEY}{peer}"]) else ""
+                    value = self._read_heartbeat(peer)
                     old = self._seen.get(peer)
                     if old is None or old[0] != value:
                         self._seen[peer] = (value, time.monotonic())
+                    if peer not in self._exited and self._store.check([f"{_EXITED}{peer}"]):
+                        self._exited[peer] = time.monotonic()
+                for group in list(self._progress):
+                    key = f"{_FAILED_GROUP}{group}/{self._epochs.get(group, 0)}"
+                    if group not in self._failed_groups and self._store.check([key]):
+                        self._failed_groups[group] = self._store.get(key).decode()
                 self._io_alive = time.monotonic()
             except Exception as err:  # the store is gone: the watch loop reports it
                 logger.debug("tpu_dist heartbeat: %s", err)
@@ -192,6 +326,15 @@ class Watchdog:
             # Watch peers only while something waits on them (reads cost store traffic).
             old_enough = [i for i in items if now - i.started > self.interval]
             self._watch_ranks = {r for i in old_enough for r in i.group_ranks if r != self.rank}
+            for item in items:
+                reason = self._failed_groups.get(item.group)
+                if reason is not None and id(item.work) not in self._fired:
+                    self._fired.add(id(item.work))
+                    item.work._fail(dist.DistBackendError(
+                        f"tpu_dist: {item.op} (collective #{item.seq} of group "
+                        f"{item.group!r}) failed on rank {self.rank}: the group failed "
+                        f"({reason})."
+                    ))
             for item in old_enough:
                 if id(item.work) in self._fired:
                     continue
@@ -215,29 +358,51 @@ class Watchdog:
                 "the rank hosting it (rank 0 with env:// rendezvous) is gone or stopped."
             )
         gone = []
+        silent = []
         for peer in item.group_ranks:
             if peer == self.rank:
                 continue
             seen = self._seen.get(peer)
             since = item.started if seen is None else max(seen[1], item.started)
-            if now - since > self.heartbeat_timeout:
-                gone.append(peer)
+            quiet = now - since > self.heartbeat_timeout
+            if quiet:
+                silent.append(peer)
+            if not quiet:
+                continue
+            # XLA's own error (a closed connection) comes first for a peer that exited or
+            # died; this catches the rest (a peer gone before it connected, or stopped).
+            if peer in self._exited:
+                gone.append(f"{peer} (exited)")
+                continue
+            try:
+                state = self._process_state(peer)
+            except Exception:  # the store is gone: reported above once it is for long
+                state = None
+            if state == "dead":
+                gone.append(f"{peer} (its process is gone)")
+            elif state == "stopped":
+                gone.append(f"{peer} (stopped, no heartbeat for {now - since:.0f} s)")
         if gone:
             return (
-                f"{where}: rank(s) {gone} stopped responding (no heartbeat for more than "
-                f"{self.heartbeat_timeout:.0f} s; {HEARTBEAT_TIMEOUT_ENV}): they exited, were "
-                "killed, or are stopped."
+                f"{where}: rank(s) {', '.join(gone)} will not join it "
+                f"(heartbeats and exit notes in the c10d store; {HEARTBEAT_TIMEOUT_ENV})."
             )
         if now - item.started > item.timeout:
             behind = []
             for peer in item.group_ranks:
                 seen = self._seen.get(peer)
-                progress = _parse_progress(seen[0]) if seen else {}
+                progress = _parse_heartbeat(seen[0])[1] if seen else {}
                 if peer != self.rank and progress.get(item.group, -1) < item.seq:
                     behind.append(peer)
+            note = (
+                f"; rank(s) {silent} sent no heartbeat for more than "
+                f"{self.heartbeat_timeout:.0f} s (stopped, hung, or holding the GIL)"
+                if silent else ""
+            )
             return (
                 f"{where} timed out after {item.timeout:.0f} s (the group's timeout); ranks "
-                f"that did not arrive: {behind or 'unknown (all issued it; a rank may be stuck)'}."
+                f"that did not arrive: {behind or 'unknown (all issued it; a rank may be stuck)'}"
+                f"{note}."
             )
         return None
 
@@ -257,6 +422,12 @@ class Watchdog:
                 flush=True,
             )
             os._exit(1)
+        self._failed_groups[item.group] = message
+        try:
+            key = f"{_FAILED_GROUP}{item.group}/{self._epochs.get(item.group, 0)}"
+            self._store.set(key, f"on rank {self.rank}: {message}")
+        except Exception as err:  # the store is gone: the peers time out on their own
+            logger.debug("tpu_dist watchdog: %s", err)
         item.work._fail(dist.DistBackendError(f"tpu_dist: {message}"))
 
 
@@ -291,30 +462,66 @@ def explain_failure(
     return dist.DistBackendError(f"tpu_dist: {where}: {who}. XLA said: {error}")
 
 
-def _parse_progress(value: str) -> dict[str, int]:
-    parts = value.split(" ", 1)
-    if len(parts) < 2 or not parts[1]:
-        return {}
+def _parse_heartbeat(value: str) -> tuple[int, dict[str, int], set[int]]:
+    """``"<count>|<progress>|<waiting>"`` -> (count, group -> last seq, ranks waited for)."""
+    parts = value.split("|")
+    if len(parts) != 3:
+        return 0, {}, set()
     progress = {}
-    for pair in parts[1].split(","):
+    for pair in filter(None, parts[1].split(",")):
         group, _, seq = pair.rpartition("=")
         progress[group] = int(seq)
-    return progress
+    waiting = {int(r) for r in parts[2].split(",") if r}
+    return int(parts[0] or 0), progress, waiting
+
+
+def _host_id() -> str:
+    """This host and PID namespace: peers with the same id see each other's processes."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    return f"{socket.gethostname()}/{namespace}"
+
+
+def _pid_state(pid: int) -> str:
+    """``"dead"``, ``"stopped"`` or ``"running"`` for a process of this host (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "dead"
+        except PermissionError:
+            return "running"
+        return "running"
+    if state in ("Z", "X"):
+        return "dead"
+    return "stopped" if state in ("T", "t") else "running"
 
 
 _watchdog: Watchdog | None = None
 
 
-def start(store: dist.Store, rank: int, world_size: int) -> Watchdog:
-    """Start this process's watchdog once (with the default group's store)."""
+def start(store: dist.Store, rank: int, world_size: int, group_timeout: timedelta) -> Watchdog:
+    """Start this process's watchdog once (with the default group's store).
+
+    ``store`` is wrapped in this launch attempt's prefix (``_runtime.store_prefix``).
+    """
+    from tpu_dist.collectives import _runtime
+
     global _watchdog
+    store = dist.PrefixStore(_runtime.store_prefix(), store)
     if _watchdog is None:
         _watchdog = Watchdog(store, rank, world_size, policy_from_env(), heartbeat_timeout_from_env())
         # Registered after jax.distributed.initialize (the runtime starts first), so it runs
         # before JAX's own exit handlers take the runtime down.
-        atexit.register(_watchdog.finish_in_flight)
+        atexit.register(_watchdog.at_exit)
     else:
         _watchdog._store = store
+    _watchdog.group_timeout = group_timeout.total_seconds()
     return _watchdog
 
 
