@@ -13,6 +13,17 @@ Modes (one per behaviour under test):
 * ``env``: print ``ENV {json}`` of the launcher-given variables (no torch import: cheap).
 * ``sleep``: write the pid to ``--pid-dir`` and sleep (for signal tests).
 
+Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the group works):
+
+* ``exit-early``: after one all_reduce, rank ``--fail-rank`` exits with ``--exit-code``; the
+  others enter a barrier it never joins.
+* ``late-finish``: all ranks all_reduce and ``destroy_process_group()``; then rank
+  ``--fail-rank`` works alone for ``--sleep`` seconds (a checkpoint write) and every rank exits 0.
+* ``timeout-exit``: group timeout ``--timeout`` s; rank ``--fail-rank`` stays away from the
+  second all_reduce for ``--sleep`` s; the others catch the timeout's error and exit with
+  ``--exit-code`` (run "tpu" with TPU_DIST_TIMEOUT_POLICY=raise).
+* ``loop``: all_reduce in a loop until killed (for the Ctrl-C test); writes pids to ``--pid-dir``.
+
 The bottom of this file also holds the helpers the ``tests/test_launch_*.py`` modules use to run
 ``python -m tpu_dist.launch`` as a subprocess (always with a timeout, in its own session, killed
 with its workers if it overruns).
@@ -78,9 +89,60 @@ def _allreduce(backend: str) -> None:
     dist.destroy_process_group()
 
 
+def _init(backend: str, timeout: float | None = None):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if backend == "tpu":
+        import tpu_dist  # noqa: F401  (registers the backend)
+    kwargs = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+    dist.init_process_group(backend, **kwargs)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    print(f"READY rank={dist.get_rank()} t={time.time():.2f}", flush=True)
+    return torch, dist
+
+
+def _fault(args: argparse.Namespace, rank: int) -> None:
+    if args.mode == "exit-early":
+        torch, dist = _init(args.backend)
+        if rank == args.fail_rank:
+            sys.exit(args.exit_code)
+        dist.barrier()
+    elif args.mode == "late-finish":
+        torch, dist = _init(args.backend)
+        dist.destroy_process_group()
+        if rank == args.fail_rank:
+            time.sleep(args.sleep)
+        print(f"DONE rank={rank}", flush=True)
+    elif args.mode == "timeout-exit":
+        torch, dist = _init(args.backend, args.timeout)
+        if rank == args.fail_rank:
+            time.sleep(args.sleep)
+            return
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as err:  # DistBackendError on "tpu", a gloo timeout error on gloo
+            print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
+            sys.exit(args.exit_code)
+    elif args.mode == "loop":
+        _write_pid(args.pid_dir)
+        torch, dist = _init(args.backend)
+        t = torch.ones(1024)
+        while True:
+            dist.all_reduce(t)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["allreduce", "env", "fail", "fail-once", "sleep"])
+    parser.add_argument(
+        "mode",
+        choices=["allreduce", "env", "fail", "fail-once", "sleep",
+                 "exit-early", "late-finish", "timeout-exit", "loop"],
+    )
+    parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--exit-code", type=int, default=3)
@@ -117,6 +179,8 @@ def main() -> None:
         _write_pid(args.pid_dir)
         print(f"SLEEPING rank={rank}", flush=True)
         time.sleep(args.sleep)
+    else:
+        _fault(args, rank)
 
 
 # -- helpers for the tests that drive tpu-launch -------------------------------------------------

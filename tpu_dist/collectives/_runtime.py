@@ -37,11 +37,13 @@ distributed initialization per process).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,6 +84,35 @@ class RuntimeInfo:
 _lock = threading.Lock()
 _info: RuntimeInfo | None = None
 _devices: list[jax.Device] | None = None
+
+
+def _leave_if_stuck() -> None:
+    """At exit, after every handler registered later (the watchdog's), before JAX's teardown.
+
+    A thread stuck in an XLA collective (one the watchdog gave up on under the raise policy)
+    makes JAX's teardown abort the process (SIGABRT, "FATAL: exception not rethrown") or
+    hang. Such a process leaves at once instead, with the exit code tpu-launch's worker entry
+    noted (``tpu_dist.launch.EXIT_CODE_VAR``; 1 without it). Exit handlers registered before
+    tpu_dist was imported do not run then.
+    """
+    from tpu_dist.collectives import _watchdog
+
+    watchdog = _watchdog.get()
+    if watchdog is None or not watchdog.stuck():
+        return
+    from tpu_dist.launch import EXIT_CODE_VAR
+
+    raw = os.environ.get(EXIT_CODE_VAR, "1")
+    code = int(raw) if raw.isdigit() else 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+# Registered when JAX is imported here, so it runs after the watchdog's exit handler and
+# before JAX's own (registered earlier, when jax was first imported).
+atexit.register(_leave_if_stuck)
 
 
 def x64_scope() -> contextlib.AbstractContextManager:

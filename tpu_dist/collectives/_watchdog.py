@@ -152,8 +152,13 @@ class Watchdog:
             self._store.set(f"{_PROCESS}{rank}", f"{_host_id()} {os.getpid()}")
         except Exception as err:  # the watch loop reports a store that does not answer
             logger.debug("tpu_dist watchdog: %s", err)
-        for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watchdog")):
-            threading.Thread(target=target, name=f"tpu_dist-{name}", daemon=True).start()
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=target, name=f"tpu_dist-{name}", daemon=True)
+            for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watchdog"))
+        ]
+        for thread in self._threads:
+            thread.start()
 
     # -- called by the backend -----------------------------------------------
 
@@ -221,16 +226,37 @@ class Watchdog:
         self.finish_in_flight()
         try:
             self._store.set(f"{_EXITED}{self.rank}", "1")
-        except Exception:  # the store is gone: nobody is left to tell
-            return
-        if self.rank == 0 and self.world_size > 1:
-            self._linger()
+            # A process that fails (a failed collective, or a non-zero exit code noted by
+            # tpu-launch's worker entry) leaves at once, with its own exit code: the job is
+            # failing, and the launcher stops the others.
+            from tpu_dist.launch import EXIT_CODE_VAR
+
+            failing = os.environ.get(EXIT_CODE_VAR, "0") not in ("", "0")
+            if self.rank == 0 and self.world_size > 1 and not self._fired and not failing:
+                self._linger()
+        except Exception:  # the store is gone: nobody is left to tell or wait for
+            pass
+        finally:
+            self._stop_threads()
+
+    def stuck(self) -> bool:
+        """Whether this process gave up on a collective whose XLA program may still run."""
+        return bool(self._fired)
+
+    def _stop_threads(self) -> None:
+        # A daemon thread that is inside a C++ call (a store request) when the interpreter
+        # finalizes is unwound by force on its way back and glibc aborts the process
+        # ("FATAL: exception not rethrown"): stop ours first.
+        self._stopping.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
 
     def _linger(self) -> None:
         peers = set(range(1, self.world_size))
         started = time.monotonic()
         said = False
         seen: dict[int, tuple[str, float]] = {}
+        blocked: dict[int, float] = {}
         while peers:
             now = time.monotonic()
             try:
@@ -246,7 +272,12 @@ class Watchdog:
                     if state == "dead" or (state is None and silent > self.group_timeout):
                         peers.discard(peer)
                         continue
-                    if self.rank in _parse_heartbeat(value)[2]:
+                    waits = self.rank in _parse_heartbeat(value)[2]
+                    if not waits:
+                        blocked.pop(peer, None)
+                    elif now - blocked.setdefault(peer, now) > self.heartbeat_timeout + 10:
+                        # It waits for this rank in a collective; its watchdog fails that
+                        # collective on seeing this rank's exit note, unless it cannot.
                         print(
                             f"tpu_dist: rank {self.rank} exits while rank {peer} waits for it "
                             "in a collective; JAX's coordination service (on rank 0) goes "
@@ -295,7 +326,7 @@ class Watchdog:
     # -- threads ----------------------------------------------------------------
 
     def _heartbeat_loop(self) -> None:
-        while True:
+        while not self._stopping.is_set():
             try:
                 self._beats += 1
                 progress = ",".join(f"{g}={s}" for g, s in list(self._progress.items()))
@@ -315,11 +346,10 @@ class Watchdog:
                 self._io_alive = time.monotonic()
             except Exception as err:  # the store is gone: the watch loop reports it
                 logger.debug("tpu_dist heartbeat: %s", err)
-            time.sleep(self.interval)
+            self._stopping.wait(self.interval)
 
     def _watch_loop(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self._stopping.wait(self.interval):
             now = time.monotonic()
             with self._lock:
                 items = list(self._in_flight.values())
@@ -367,12 +397,14 @@ class Watchdog:
             quiet = now - since > self.heartbeat_timeout
             if quiet:
                 silent.append(peer)
-            if not quiet:
-                continue
             # XLA's own error (a closed connection) comes first for a peer that exited or
-            # died; this catches the rest (a peer gone before it connected, or stopped).
-            if peer in self._exited:
+            # died; this catches the rest: rank 0 waiting at exit for the others (its
+            # connections stay open), a peer gone before it connected, a stopped peer.
+            exited = self._exited.get(peer)
+            if exited is not None and now - exited > 2 * self.interval:
                 gone.append(f"{peer} (exited)")
+                continue
+            if not quiet:
                 continue
             try:
                 state = self._process_state(peer)
@@ -413,7 +445,12 @@ class Watchdog:
             message += f" Flight record: {path}."
         except OSError as err:
             message += f" (flight record not written: {err})"
-        if self.policy == "abort":
+        if self.policy == "abort" and "(exited)" not in message:
+            # The exit note tells rank 0 (waiting at exit) not to wait for this process.
+            try:
+                self._store.set(f"{_EXITED}{self.rank}", "1")
+            except Exception:
+                pass
             print(
                 f"tpu_dist: {message} Ending this process ({POLICY_ENV}=abort): the XLA "
                 "collective cannot be unwound. Set "

@@ -178,8 +178,10 @@ from tpu_dist.launch._env import WorkerEnv, compute_worker_env
 from tpu_dist.launch._preflight import Problem, preflight
 from tpu_dist.launch._run import format_dry_run
 from tpu_dist.launch._worker import quiet_gloo_lines
+from tpu_dist.launch._worker import EXIT_CODE_VAR
 
 __all__ = [
+    "EXIT_CODE_VAR",
     "Discovery",
     "Entrypoint",
     "LaunchSpec",

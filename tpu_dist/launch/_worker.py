@@ -116,6 +116,10 @@ def quiet_gloo_lines() -> None:
 def _maybe_quiet() -> None:
     if os.environ.pop(QUIET_GLOO_VAR, "") == "1":
         quiet_gloo_lines()
+EXIT_CODE_VAR = "TPU_DIST_EXIT_CODE"
+"""The exit code the user's program is leaving with, set here when it ends. A process whose
+collective program is stuck in XLA cannot go through JAX's teardown and leaves with
+``os._exit`` instead; tpu_dist.collectives reads this variable to keep the program's own code."""
 
 
 def apply_worker_env(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -192,6 +196,7 @@ def _run(mode: str, target: str, args: list[str]) -> None:
     import runpy
 
     sys.argv = [target, *args]
+    os.environ[EXIT_CODE_VAR] = "1"
     try:
         if mode == "module":
             sys.path[0] = os.getcwd()
@@ -199,10 +204,26 @@ def _run(mode: str, target: str, args: list[str]) -> None:
         else:
             sys.path[0] = os.path.dirname(os.path.abspath(target))
             runpy.run_path(target, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as exc:
+        _note_exit_code(exc.code)
+        raise
+    except KeyboardInterrupt:
+        os.environ[EXIT_CODE_VAR] = str(128 + signal.SIGINT)
         raise
     except BaseException as exc:  # reported, then the worker exits 1
         _record_and_exit(exc)
+    os.environ[EXIT_CODE_VAR] = "0"
+
+
+def _note_exit_code(code: object) -> None:
+    """What ``sys.exit(code)`` makes the interpreter exit with, for :data:`EXIT_CODE_VAR`."""
+    if code is None:
+        value = 0
+    elif isinstance(code, int):
+        value = code & 0xFF
+    else:
+        value = 1  # sys.exit("message") prints the message and exits 1
+    os.environ[EXIT_CODE_VAR] = str(value)
 
 
 def run_script_path(script: str, *args: str) -> None:
