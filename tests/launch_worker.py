@@ -9,7 +9,8 @@ Modes (one per behaviour under test):
 * ``fail``: rank ``--fail-rank`` exits with ``--exit-code`` (or raises with ``--raise``) after
   ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
 * ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
-  ``--fail-rank`` writes the marker and exits 1; later attempts run ``allreduce``.
+  ``--fail-rank`` writes the marker and exits 1; later attempts run ``allreduce`` (rank 0 after
+  ``--delay`` seconds).
 * ``env``: print ``ENV {json}`` of the launcher-given variables (no torch import: cheap).
 * ``sleep``: write the pid to ``--pid-dir`` and sleep (for signal tests).
 
@@ -23,6 +24,8 @@ Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the gr
   second all_reduce for ``--sleep`` s; the others catch the timeout's error and exit with
   ``--exit-code`` (run "tpu" with TPU_DIST_TIMEOUT_POLICY=raise).
 * ``loop``: all_reduce in a loop until killed (for the Ctrl-C test); writes pids to ``--pid-dir``.
+* ``stall``: rank ``--fail-rank`` sleeps ``--sleep`` s while the others wait in a barrier (for
+  the Ctrl-C test); writes pids to ``--pid-dir``.
 
 The bottom of this file also holds the helpers the ``tests/test_launch_*.py`` modules use to run
 ``python -m tpu_dist.launch`` as a subprocess (always with a timeout, in its own session, killed
@@ -127,9 +130,15 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
         except Exception as err:  # DistBackendError on "tpu", a gloo timeout error on gloo
             print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
             sys.exit(args.exit_code)
-    elif args.mode == "loop":
-        _write_pid(args.pid_dir)
+    elif args.mode == "stall":
         torch, dist = _init(args.backend)
+        _write_pid(args.pid_dir)
+        if rank == args.fail_rank:
+            time.sleep(args.sleep)
+        dist.barrier()
+    elif args.mode == "loop":
+        torch, dist = _init(args.backend)
+        _write_pid(args.pid_dir)
         t = torch.ones(1024)
         while True:
             dist.all_reduce(t)
@@ -140,7 +149,7 @@ def main() -> None:
     parser.add_argument(
         "mode",
         choices=["allreduce", "env", "fail", "fail-once", "sleep",
-                 "exit-early", "late-finish", "timeout-exit", "loop"],
+                 "exit-early", "late-finish", "timeout-exit", "loop", "stall"],
     )
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--backend", default="gloo")
@@ -173,6 +182,8 @@ def main() -> None:
                 f.write("failed once\n")
             print(f"rank {rank}: failing on purpose (attempt 0)", flush=True)
             sys.exit(1)
+        if rank == 0 and os.path.exists(args.marker):
+            time.sleep(args.delay)  # a slow-to-start rank 0: its peers look for it first
         _allreduce(args.backend)
         print(f"RESUMED rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
     elif args.mode == "sleep":

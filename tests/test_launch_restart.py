@@ -3,7 +3,8 @@
 The restart test's worker fails once (a marker file records the first attempt, as a checkpoint
 would), then all-reduces over the c10d backend given by ``BACKENDS``. On "tpu" the restarted
 attempt must not read the JAX coordinator address of the failed one (elastic keeps its store
-across restarts), so it runs three times.
+across restarts: rank 0 of the restarted attempt starts 2 s late, so its peers look for the
+address first), so it runs three times.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def test_max_restarts_resumes_a_job_that_failed_once(
             "fail-once",
             "--marker",
             str(marker),
+            "--delay",
+            "2",
             "--backend",
             backend,
         ]

@@ -212,8 +212,28 @@ def _how(failure: Any) -> str:
     return f"exited with code {failure.exitcode}"
 
 
+def _root_cause(err: Any) -> tuple[int, Any]:
+    """The failure that started it: a worker that ended by itself, not one the agent stopped.
+
+    elastic orders failures by time, and a worker stopped by the agent (SIGTERM, SIGKILL)
+    often wrote its error file (a collective failing because the first worker left) before
+    the first worker's exit was observed: prefer the earliest worker that exited on its own
+    (any exit code, or a signal the agent does not send, such as SIGABRT or SIGSEGV).
+    """
+    stopped = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
+    own = [
+        (failure.timestamp, rank, failure)
+        for rank, failure in err.failures.items()
+        if failure.exitcode is not None and failure.exitcode not in stopped
+    ]
+    if not own:
+        return err.get_first_failure()
+    _, rank, failure = min(own, key=lambda item: (item[0], item[1]))
+    return rank, failure
+
+
 def _failure_summary(spec: LaunchSpec, err: Any) -> str:
-    rank, failure = err.get_first_failure()
+    rank, failure = _root_cause(err)
     return (
         f"node {spec.node_rank}: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) "
         f"{_how(failure)}"
@@ -257,7 +277,7 @@ def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
     """The failure report, short and root cause first (torchrun's "Root Cause (first observed
     failure)"): the failing rank, its exit code and the end of its traceback; then one line for
     the other ranks; then where the full record is."""
-    rank, failure = err.get_first_failure()
+    rank, failure = _root_cause(err)
     lines = [
         f"tpu-launch: worker failed: {_failure_summary(spec, err)}",
         f"Root Cause (first observed failure): {spec.entry.target} on rank {rank} "

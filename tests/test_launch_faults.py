@@ -1,0 +1,79 @@
+"""How a job ends under tpu-launch when a worker leaves early, fails, or is interrupted: "tpu"
+beside gloo (issue 16, items 3, 4 and 8).
+
+Each test runs ``tests/launch_worker.py`` in a fault mode with two workers on both backends
+(the slow one on "tpu" only) and checks what the launcher reports: the failing rank and its own
+exit code as the root cause, a correct job's exit 0, every worker gone. Timings are not asserted
+(the machine is shared); ``benchmarks/README.md`` (E23) has the measured ones.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch_worker import WORKER, finish, pid_alive, run_launcher, start_launcher
+
+BACKENDS = ["gloo", "tpu"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_that_exits_early_is_the_root_cause_with_its_code(backend: str) -> None:
+    # Rank 1 exits 7 right after init; rank 0 waits in a barrier it never joins.
+    code, _, err = run_launcher(
+        ["--nproc-per-node", "2", WORKER, "exit-early", "--exit-code", "7", "--backend", backend]
+    )
+    assert code == 1, err
+    assert "tpu-launch: worker failed: node 0: rank 1 (local rank 1" in err, err
+    assert "exited with code 7" in err, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_caught_timeout_then_exit_keeps_the_exit_code(backend: str) -> None:
+    # Group timeout 3 s; rank 1 stays away from the second all_reduce, rank 0 catches the
+    # timeout's error and exits 3 (on "tpu" under the raise policy).
+    code, out, err = run_launcher(
+        ["--nproc-per-node", "2", WORKER, "timeout-exit", "--timeout", "3", "--sleep", "30",
+         "--exit-code", "3", "--backend", backend],
+        env={"TPU_DIST_TIMEOUT_POLICY": "raise"},
+    )
+    assert code == 1, err
+    assert "CAUGHT rank=0" in out + err
+    assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
+    assert "exited with code 3" in err, err
+
+
+def test_ranks_that_finish_more_than_a_minute_apart_exit_0() -> None:
+    # After destroy_process_group(), rank 1 works alone for 65 s (JAX's shutdown barrier used
+    # to give up after 60 s and abort both). gloo needs no check: it has no such barrier.
+    code, out, err = run_launcher(
+        ["--nproc-per-node", "2", WORKER, "late-finish", "--sleep", "65", "--backend", "tpu"],
+        timeout=240,
+    )
+    assert code == 0, err
+    assert "[rank0]:DONE rank=0" in out and "[rank1]:DONE rank=1" in out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ctrl_c_stops_workers_blocked_in_a_collective(tmp_path: Path, backend: str) -> None:
+    # Rank 1 sleeps while rank 0 waits in a barrier; Ctrl-C signals the launcher's process group.
+    proc = start_launcher(
+        ["--nproc-per-node", "2", WORKER, "stall", "--sleep", "120", "--pid-dir", str(tmp_path),
+         "--backend", backend]
+    )
+    deadline = time.monotonic() + 120
+    while len(os.listdir(tmp_path)) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    pids = [int((tmp_path / name).read_text()) for name in os.listdir(tmp_path)]
+    assert len(pids) == 2, finish(proc, timeout=60)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, _, err = finish(proc, timeout=120)
+    assert code == 128 + signal.SIGINT, err
+    # elastic gives workers 30 s to leave after SIGINT, then kills them and says so.
+    assert "forcefully exiting via 9" not in err, err
+    assert not [p for p in pids if pid_alive(p)]
