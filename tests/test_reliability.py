@@ -219,3 +219,56 @@ def test_exit_with_async_work_in_flight_is_clean() -> None:
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "script done" in out.stdout
+
+
+def _hold_the_gil(rank: int, world_size: int, seconds: float) -> float:
+    """Rank 1 spends ``seconds`` in one C call that holds the GIL (as pickling a big object
+    does): its heartbeat thread cannot run. The barrier must wait for it, not give it up."""
+    import ctypes
+
+    dist.barrier()
+    start = time.monotonic()
+    if rank == 1:
+        ctypes.PyDLL(None).sleep(int(seconds))  # libc sleep(3) through PyDLL keeps the GIL
+    dist.barrier()
+    return time.monotonic() - start
+
+
+@pytest.mark.parametrize("backend", ["gloo", "tpu"])
+def test_a_rank_holding_the_gil_is_not_declared_dead(backend: str) -> None:
+    # Heartbeat timeout 3 s, group timeout 60 s: the rank is silent for 8 s, and alive.
+    with World(2, backend=backend, env={"TPU_DIST_HEARTBEAT_TIMEOUT": "3"}, timeout=90,
+               init_kwargs={"timeout": datetime.timedelta(seconds=60)}) as world:
+        waited = world.run(_hold_the_gil, 8)
+    assert min(waited) >= 7.5, waited
+
+
+def _late_rank_after_a_timeout(rank: int, world_size: int) -> list[str]:
+    """Rank 1 arrives at collective #2 after its peers gave up on it (group timeout 3 s)."""
+    outcomes = []
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(8)
+    for _ in range(2):  # the collective the peers gave up on, then the next one
+        try:
+            dist.all_reduce(torch.ones(4))
+            outcomes.append("completed")
+        except dist.DistBackendError as err:
+            outcomes.append(f"failed: {err}")
+    return outcomes
+
+
+def test_after_a_timeout_every_rank_sees_the_group_failed(tmp_path) -> None:
+    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    with World(3, backend="tpu", env=env, timeout=90,
+               init_kwargs={"timeout": datetime.timedelta(seconds=3)}) as world:
+        results = world.run(_late_rank_after_a_timeout)
+    for rank in (0, 2):
+        first, second = results[rank]
+        assert first.startswith("failed:") and "timed out after 3 s" in first, results
+        assert second.startswith("failed:") and "the group failed earlier" in second, results
+    # The late rank must not complete the collective its peers gave up on (as NCCL's abort).
+    late_first, late_second = results[1]
+    assert late_first.startswith("failed:") and "the group failed earlier" in late_first, results
+    assert late_second.startswith("failed:"), results
