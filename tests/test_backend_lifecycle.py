@@ -137,3 +137,49 @@ def test_exit_is_clean_while_the_heartbeat_thread_is_busy() -> None:
             _, err = proc.communicate(timeout=120)
             assert "terminate called" not in err and "FATAL" not in err, err
             assert proc.returncode == 0, (rank, err)
+
+
+def _listening_addresses(rank: int, world_size: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket this process listens on (Linux /proc)."""
+    import socket as socket_module
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("/proc/self/net/tcp", socket_module.AF_INET),
+                          ("/proc/self/net/tcp6", socket_module.AF_INET6)):
+        with open(table) as f:
+            next(f)
+            for line in f:
+                fields = line.split()
+                if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
+                    continue
+                hex_addr, hex_port = fields[1].split(":")
+                raw = bytes.fromhex(hex_addr)
+                # /proc prints each 32-bit word in host (little-endian) order.
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((socket_module.inet_ntop(family, raw), int(hex_port, 16)))
+    return found
+
+
+def _master_port(rank: int, world_size: int) -> str:
+    return os.environ["MASTER_PORT"]
+
+
+def test_coordinator_listens_on_loopback_only_when_told_to() -> None:
+    # The harness sets MASTER_ADDR=127.0.0.1. Rank 0 listens with the c10d store (torch's,
+    # every interface, as on gloo), JAX's coordination service and XLA's gloo pairs: all but
+    # the store must be on loopback (issue 15: JAX's default is every interface).
+    with World(2, backend="tpu", timeout=90) as world:
+        listening = world.run(_listening_addresses)[0]
+        store_port = int(world.run(_master_port)[0])
+    others = [(a, p) for a, p in listening if p != store_port]
+    assert others, listening
+    loopback = ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+    assert all(address in loopback for address, _ in others), listening
