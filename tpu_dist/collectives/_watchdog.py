@@ -145,7 +145,6 @@ class Watchdog:
         # group starts clean), and the failure notes seen for the current one.
         self._epochs: dict[str, int] = {}
         self._failed_groups: dict[str, str] = {}
-        self._members: dict[str, list[int]] = {}
         self.group_timeout = 1800.0
         """The default group's timeout: how long rank 0 waits at exit for a silent peer."""
         try:
@@ -189,7 +188,6 @@ class Watchdog:
     def watch(self, item: InFlight) -> None:
         with self._lock:
             self._in_flight[id(item.work)] = item
-            self._members[item.group] = item.group_ranks
 
     def done(self, work: object) -> None:
         with self._lock:
@@ -372,12 +370,13 @@ class Watchdog:
                 # waited) is not in flight: complete it, do not time it out.
                 if item.work._complete_if_finished():
                     continue
-                message = self._diagnose(item, now)
-                if message is not None:
+                diagnosis = self._diagnose(item, now)
+                if diagnosis is not None:
                     self._fired.add(id(item.work))
-                    self._act(item, message)
+                    self._act(item, *diagnosis)
 
-    def _diagnose(self, item: InFlight, now: float) -> str | None:
+    def _diagnose(self, item: InFlight, now: float) -> tuple[str, bool] | None:
+        """Why ``item`` will not complete, and whether only exited peers are to blame."""
         where = (
             f"{item.op} (collective #{item.seq} of group {item.group!r}, ranks "
             f"{item.group_ranks}) on rank {self.rank}"
@@ -385,7 +384,8 @@ class Watchdog:
         if now - self._io_alive > self.heartbeat_timeout:
             return (
                 f"{where}: the c10d store has not answered for {now - self._io_alive:.0f} s; "
-                "the rank hosting it (rank 0 with env:// rendezvous) is gone or stopped."
+                "the rank hosting it (rank 0 with env:// rendezvous) is gone or stopped.",
+                False,
             )
         gone = []
         silent = []
@@ -417,7 +417,8 @@ class Watchdog:
         if gone:
             return (
                 f"{where}: rank(s) {', '.join(gone)} will not join it "
-                f"(heartbeats and exit notes in the c10d store; {HEARTBEAT_TIMEOUT_ENV})."
+                f"(heartbeats and exit notes in the c10d store; {HEARTBEAT_TIMEOUT_ENV}).",
+                all(g.endswith("(exited)") for g in gone),
             )
         if now - item.started > item.timeout:
             behind = []
@@ -434,18 +435,24 @@ class Watchdog:
             return (
                 f"{where} timed out after {item.timeout:.0f} s (the group's timeout); ranks "
                 f"that did not arrive: {behind or 'unknown (all issued it; a rank may be stuck)'}"
-                f"{note}."
+                f"{note}.",
+                False,
             )
         return None
 
-    def _act(self, item: InFlight, message: str) -> None:
+    def _act(self, item: InFlight, message: str, peers_exited: bool) -> None:
+        """End the process (abort policy) or fail the work and its group.
+
+        A collective whose peers exited fails with ``DistBackendError`` under either policy,
+        as one whose peer died does: this process is not the one at fault.
+        """
         recorder = flight_recorder.recorder()
         try:
             path = recorder.dump(reason=message)
             message += f" Flight record: {path}."
         except OSError as err:
             message += f" (flight record not written: {err})"
-        if self.policy == "abort" and "(exited)" not in message:
+        if self.policy == "abort" and not peers_exited:
             # The exit note tells rank 0 (waiting at exit) not to wait for this process.
             try:
                 self._store.set(f"{_EXITED}{self.rank}", "1")
