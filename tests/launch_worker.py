@@ -9,8 +9,8 @@ Modes (one per behaviour under test):
 * ``fail``: rank ``--fail-rank`` exits with ``--exit-code`` (or raises with ``--raise``) after
   ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
 * ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
-  ``--fail-rank`` writes the marker and exits 1; later attempts run ``allreduce`` (rank 0 after
-  ``--delay`` seconds).
+  ``--fail-rank`` initialises the group, all-reduces, writes the marker and exits 1; later
+  attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
 * ``env``: print ``ENV {json}`` of the launcher-given variables (no torch import: cheap).
 * ``sleep``: write the pid to ``--pid-dir`` and sleep (for signal tests).
 
@@ -178,6 +178,14 @@ def main() -> None:
         time.sleep(args.sleep)
     elif args.mode == "fail-once":
         if rank == args.fail_rank and not os.path.exists(args.marker):
+            # The first attempt gets going (its store keys are written), then this rank fails.
+            import torch
+            import torch.distributed as dist
+
+            if args.backend == "tpu":
+                import tpu_dist  # noqa: F401
+            dist.init_process_group(args.backend)
+            dist.all_reduce(torch.tensor([float(rank + 1)]))  # the peers' first all_reduce
             with open(args.marker, "w") as f:
                 f.write("failed once\n")
             print(f"rank {rank}: failing on purpose (attempt 0)", flush=True)
