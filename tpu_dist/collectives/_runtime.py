@@ -269,6 +269,16 @@ def bind_address(address: str) -> str:
     return os.environ.get(_BIND_ENV) or address
 
 
+def disconnect() -> None:
+    """Leave JAX's coordination service (at exit, on ranks other than 0).
+
+    ``jax.distributed.shutdown()``, which JAX's own exit handler would call later; the CPU
+    collectives need the service only to set up communicators.
+    """
+    if _info is not None and _info.rank != 0 and jax.distributed.is_initialized():
+        jax.distributed.shutdown()
+
+
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
     key = store_prefix() + _COORDINATOR_KEY
     if rank == 0:

@@ -223,6 +223,13 @@ class Watchdog:
         """
         self.finish_in_flight()
         try:
+            if self.rank != 0 and not self._fired:
+                # Leave JAX's coordination service before the exit note: rank 0 stops
+                # waiting on the note, and a disconnect that finds the service gone ends
+                # the process (JAX's client treats it as a fatal error).
+                from tpu_dist.collectives import _runtime
+
+                _runtime.disconnect()
             self._store.set(f"{_EXITED}{self.rank}", "1")
             # A process that fails (a failed collective, or a non-zero exit code noted by
             # tpu-launch's worker entry) leaves at once, with its own exit code: the job is
