@@ -9,8 +9,8 @@ Modes (one per behaviour under test):
 * ``fail``: rank ``--fail-rank`` exits with ``--exit-code`` (or raises with ``--raise``) after
   ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
 * ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
-  ``--fail-rank`` initialises the group, all-reduces, writes the marker and exits 1; later
-  attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
+  ``--fail-rank`` (with ``--after-init``: after initialising the group and all-reducing) writes
+  the marker and exits 1; later attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
 * ``env``: print ``ENV {json}`` of the launcher-given variables (no torch import: cheap).
 * ``sleep``: write the pid to ``--pid-dir`` and sleep (for signal tests).
 
@@ -152,6 +152,7 @@ def main() -> None:
                  "exit-early", "late-finish", "timeout-exit", "loop", "stall"],
     )
     parser.add_argument("--timeout", type=float, default=None)
+    parser.add_argument("--after-init", action="store_true")
     parser.add_argument("--backend", default="gloo")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--exit-code", type=int, default=3)
@@ -177,7 +178,7 @@ def main() -> None:
             sys.exit(args.exit_code)
         time.sleep(args.sleep)
     elif args.mode == "fail-once":
-        if rank == args.fail_rank and not os.path.exists(args.marker):
+        if rank == args.fail_rank and not os.path.exists(args.marker) and args.after_init:
             # The first attempt gets going (its store keys are written), then this rank fails.
             import torch
             import torch.distributed as dist
@@ -186,6 +187,7 @@ def main() -> None:
                 import tpu_dist  # noqa: F401
             dist.init_process_group(args.backend)
             dist.all_reduce(torch.tensor([float(rank + 1)]))  # the peers' first all_reduce
+        if rank == args.fail_rank and not os.path.exists(args.marker):
             with open(args.marker, "w") as f:
                 f.write("failed once\n")
             print(f"rank {rank}: failing on purpose (attempt 0)", flush=True)
