@@ -158,6 +158,7 @@ def main() -> None:
     gathered = [None] * world
     dist.all_gather_object(gathered, {"rank": rank})
     dist.broadcast(torch.arange(6, dtype=torch.float32), src=0)
+    dist.all_reduce(torch.ones(3, dtype=torch.complex128))  # no complex128 on TPU: sent as pairs
     peer = rank ^ 1
     if rank % 2 == 0:
         dist.send(torch.ones(5), dst=peer, tag=3)

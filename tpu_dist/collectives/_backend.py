@@ -48,9 +48,15 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _values(tensor: torch.Tensor) -> torch.Tensor:
-    """The flat tensor as reduction operands: bool becomes uint8 0/1."""
+    """The flat tensor as reduction operands: bool becomes uint8 0/1, complex its (real, imag)
+    pairs (complex reductions, SUM/AVG/PREMUL_SUM with a real factor, act on each part alone;
+    and XLA:TPU has no complex128 at all)."""
     flat = _flat(tensor)
-    return flat.view(torch.uint8) if flat.dtype == torch.bool else flat
+    if flat.dtype == torch.bool:
+        return flat.view(torch.uint8)
+    if flat.is_complex():
+        return torch.view_as_real(flat.resolve_conj()).view(-1)
+    return flat
 
 
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16}
