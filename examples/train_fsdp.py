@@ -254,15 +254,18 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def save_checkpoint(
-    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, loss: float
+    path: str, model: nn.Module, optimizer: torch.optim.Optimizer, step: int,
+    loss: float | None = None,
 ) -> None:
-    """Save the sharded model and optimizer, the step and its loss with DCP: every rank writes
-    its shards."""
+    """Save the sharded model and optimizer, the step and (if given) its loss with DCP: every
+    rank writes its shards."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step), "loss": torch.tensor(loss)}
+    state = {"model": model_state, "optim": optim_state, "step": torch.tensor(step)}
+    if loss is not None:
+        state["loss"] = torch.tensor(loss)
     if os.path.exists(os.path.join(path, ".metadata")) and dist.get_rank() == 0:
         print(f"replacing {path} (an earlier run's)", flush=True)
     with warnings.catch_warnings():  # DCP warns on every rank when it overwrites; said once above

@@ -190,12 +190,13 @@ def main() -> None:
         if rank == args.fail_rank and not os.path.exists(args.marker):
             with open(args.marker, "w") as f:
                 f.write("failed once\n")
-            print(f"rank {rank}: failing on purpose (attempt 0)", flush=True)
+            print(f"rank {rank}: failing on purpose (attempt 0) t={time.time():.2f}", flush=True)
             sys.exit(1)
         if rank == 0 and os.path.exists(args.marker):
             time.sleep(args.delay)  # a slow-to-start rank 0: its peers look for it first
         _allreduce(args.backend)
-        print(f"RESUMED rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']}", flush=True)
+        print(f"RESUMED rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} "
+              f"t={time.time():.2f}", flush=True)
     elif args.mode == "sleep":
         _write_pid(args.pid_dir)
         print(f"SLEEPING rank={rank}", flush=True)
