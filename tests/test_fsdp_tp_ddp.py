@@ -382,7 +382,7 @@ def _dcp_load_and_continue(rank: int, world_size: int, path: str) -> dict:
     from tpu_dist.collectives import ProcessGroupTPU
 
     model, optimizer = _fsdp_model_and_optimizer(seed=1)  # other weights: the load must replace them
-    step = train_fsdp.load_checkpoint(path, model, optimizer)  # dcp.load + set_state_dict
+    step, _ = train_fsdp.load_checkpoint(path, model, optimizer)  # dcp.load + set_state_dict
     adam_steps = sorted({float(s["step"]) for s in optimizer.state.values()})
     losses = _dcp_steps(model, optimizer, step + 1, 4)
     group = dist.distributed_c10d._get_default_group()
