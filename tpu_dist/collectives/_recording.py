@@ -59,6 +59,9 @@ class RecordedCall:
     """The group's description (``mesh_<dim>`` for a DeviceMesh dimension's group)."""
     key: ProgramKey
     """The program the "tpu" backend would run for the call."""
+    data_blocks: tuple[tuple[int, str], ...]
+    """(length, dtype) of the blocks that carry the job's data (the key's blocks, less any
+    header the backend adds of its own)."""
     first_site: CallSite | None
     """Where the call was first issued."""
     count: int = 0
@@ -75,12 +78,12 @@ class RecordedCall:
         """Bytes each rank sends into the program (summed over its blocks)."""
         import numpy as np
 
-        return sum(n * np.dtype(_np_name(dtype)).itemsize for n, dtype in self.key.blocks)
+        return sum(n * np.dtype(_np_name(dtype)).itemsize for n, dtype in self.data_blocks)
 
     @property
     def dtype(self) -> str:
         """The element type(s) of the program's blocks (data-movement programs move raw words)."""
-        return ",".join(sorted({dtype for _, dtype in self.key.blocks}))
+        return ",".join(sorted({dtype for _, dtype in self.data_blocks}))
 
 
 def _np_name(dtype: str) -> str:
@@ -94,7 +97,10 @@ class Recorder:
     calls: dict[tuple, RecordedCall] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, op: str, group: ProcessGroupTPU, key: ProgramKey) -> None:
+    def add(
+        self, op: str, group: ProcessGroupTPU, key: ProgramKey,
+        data_blocks: tuple[tuple[int, str], ...] | None = None,
+    ) -> None:
         reduce_op = key.params[0] if key.kind in _REDUCING and key.params else None
         ident = (op, reduce_op, tuple(group.global_ranks), key)
         with self.lock:
@@ -102,7 +108,7 @@ class Recorder:
             if call is None:
                 call = RecordedCall(
                     op, reduce_op, tuple(group.global_ranks), group.getGroupDesc(), key,
-                    _user_call_site(),
+                    key.blocks if data_blocks is None else data_blocks, _user_call_site(),
                 )
                 self.calls[ident] = call
             call.count += 1
@@ -177,13 +183,10 @@ class RecordingProcessGroup(ProcessGroupTPU):
             return TPUWork.completed(description, finish([b.new_empty(0) for b in blocks]))
         meta = tuple((b.numel(), str(b.dtype).removeprefix("torch.")) for b in blocks)
         checked_broadcast = kind == "broadcast" and params[-1] is True
-        if checked_broadcast:
-            # Recorded as the broadcast of the data alone: the src check's 8-byte header is
-            # not the job's data (and adds one tiny all-reduce to the program).
-            recorded = ProgramKey(kind, self._device_ids, meta[:-1], params[:-1])
-        else:
-            recorded = ProgramKey(kind, self._device_ids, meta, params)
-        recorder.add(description, self, recorded)
+        # The program compiled is the one the backend runs; a checked broadcast's 8-byte src
+        # header is not the job's data, so its size is counted without it.
+        recorder.add(description, self, ProgramKey(kind, self._device_ids, meta, params),
+                     data_blocks=meta[:-1] if checked_broadcast else None)
         results = [_fake_output(kind, self.size(), self.rank(), b) for b in blocks]
         if checked_broadcast:  # every rank agrees on src here: the header summed over ranks
             results[-1] = blocks[-1] * self.size()
