@@ -39,9 +39,6 @@ from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._lowering import ProgramKey
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
 
-_SUM_LIKE = ("SUM", "AVG", "PREMUL_SUM")
-
-
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-D contiguous view of ``tensor`` (a copy only when it is not contiguous)."""
     return tensor.contiguous().view(-1) if tensor.dim() != 1 or not tensor.is_contiguous() else tensor

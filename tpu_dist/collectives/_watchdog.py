@@ -580,7 +580,3 @@ def get() -> Watchdog | None:
     """This process's watchdog, once a default group exists."""
     return _watchdog
 
-
-def seconds(timeout: timedelta) -> float:
-    """A group timeout in seconds."""
-    return timeout.total_seconds()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tpu_dist.collectives import DEFAULT_FOR_CPU_ENV
+from tpu_dist.launch._config import DEFAULT_TPU_BASE_PORT
 
 __all__ = ["TPU_KNOBS", "Knob", "build_parser", "main", "parse_args"]
 
@@ -97,7 +98,7 @@ TPU_KNOBS: tuple[Knob, ...] = (
         dest="tpu_base_port",
         env="TPU_DIST_TPU_BASE_PORT",
         type=_port,
-        default=8476,
+        default=DEFAULT_TPU_BASE_PORT,
         metavar="PORT",
         help="First TPU_PROCESS_PORT on each host; local rank i uses PORT+i (TPU only).",
     ),
