@@ -33,6 +33,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from tpu_dist import _settings
 from tpu_dist.bench._config import BenchConfig, element_count, format_bytes
 from tpu_dist.bench._ops import OpCase, bus_factor, make_case
 from tpu_dist.bench._report import (
@@ -86,7 +87,7 @@ def environment() -> dict[str, Any]:
         "env": {
             k: os.environ[k]
             for k in (
-                "XLA_FLAGS", "OMP_NUM_THREADS", "TPU_DIST_PLATFORM", "JAX_PLATFORMS",
+                "XLA_FLAGS", "OMP_NUM_THREADS", _settings.PLATFORM.env, "JAX_PLATFORMS",
                 "GLIBC_TUNABLES",
             )
             if k in os.environ

@@ -386,7 +386,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             dist.get_debug_level() == dist.DebugLevel.DETAIL
             or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         )
-        self._poll = _watchdog.policy_from_env() == "raise"
+        watchdog = _watchdog.get()  # it read the policy when it started
+        policy = watchdog.policy if watchdog is not None else _watchdog.policy_from_env()
+        self._poll = policy == "raise"
         # Works of this group not completed yet, in issue order (see _complete_before).
         self._unfinished: collections.deque[TPUWork] = collections.deque()
         self._unfinished_lock = threading.Lock()

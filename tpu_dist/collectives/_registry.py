@@ -1,6 +1,6 @@
 """Registering the backend with torch.distributed, once per process.
 
-Three knobs, each declared once here:
+Three knobs (the two variables are declared in :mod:`tpu_dist._settings`):
 
 * ``TPU_DIST_BACKEND_NAME`` (default ``"tpu"``): the name to register under.
 * the fallback name :data:`FALLBACK_BACKEND_NAME` (``"tpu_jax"``), used when the name is taken
@@ -12,45 +12,20 @@ Three knobs, each declared once here:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 import warnings
 
 import torch.distributed as dist
+
+from tpu_dist import _settings
 
 
 logger = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _EnvKnob:
-    """One environment variable: its name, default and meaning, declared once."""
-
-    env: str
-    default: str
-    help: str
-
-
-_BACKEND_NAME = _EnvKnob(
-    env="TPU_DIST_BACKEND_NAME",
-    default="tpu",
-    help="The torch.distributed backend name tpu_dist registers under. When it is taken by "
-    "another package, tpu_dist registers under 'tpu_jax' instead and warns.",
-)
-_DEFAULT_FOR_CPU = _EnvKnob(
-    env="TPU_DIST_DEFAULT_FOR_CPU",
-    default="0",
-    help="1: at import, make tpu_dist torch's default backend for CPU tensors (what "
-    "init_process_group() without a backend and get_default_backend_for_device('cpu') use). "
-    "0 (default): gloo stays the default.",
-)
-
-BACKEND_NAME_ENV = _BACKEND_NAME.env
-"""``"TPU_DIST_BACKEND_NAME"``."""
-DEFAULT_FOR_CPU_ENV = _DEFAULT_FOR_CPU.env
+_BACKEND_NAME = _settings.BACKEND_NAME
+DEFAULT_FOR_CPU_ENV = _settings.DEFAULT_FOR_CPU.env
 """``"TPU_DIST_DEFAULT_FOR_CPU"``."""
-DEFAULT_BACKEND_NAME = _BACKEND_NAME.default
 FALLBACK_BACKEND_NAME = "tpu_jax"
 """The name tpu_dist registers under when its own name is taken (by TorchTPU, for instance)."""
 
@@ -111,16 +86,6 @@ def _owner(name: str) -> str | None:
     return getattr(plugin.creator_fn, "__module__", None) or "another package"
 
 
-def _name_from_env() -> str:
-    name = os.environ.get(_BACKEND_NAME.env, _BACKEND_NAME.default).strip().lower()
-    if not name.isidentifier():
-        raise ValueError(
-            f"{_BACKEND_NAME.env}={name!r} is not a usable backend name; use a short "
-            f"identifier such as {FALLBACK_BACKEND_NAME!r}."
-        )
-    return name
-
-
 def register_backend() -> str:
     """Register tpu_dist's process group with torch.distributed; returns its name.
 
@@ -139,7 +104,7 @@ def register_backend() -> str:
     global _registered_name, _warned
     if _registered_name is not None:
         return _registered_name
-    wanted = _name_from_env()
+    wanted = _BACKEND_NAME.get()
     default_for_cpu = default_for_cpu_from_env()
     chosen = None
     for name in dict.fromkeys((wanted, FALLBACK_BACKEND_NAME)):
@@ -202,12 +167,7 @@ def registered_name() -> str | None:
 
 def default_for_cpu_from_env() -> bool:
     """``TPU_DIST_DEFAULT_FOR_CPU``: ``1``/``true``/``yes`` or ``0``/``false``/``no`` (default)."""
-    raw = os.environ.get(_DEFAULT_FOR_CPU.env, _DEFAULT_FOR_CPU.default).strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{_DEFAULT_FOR_CPU.env}={raw!r}: use 1 (on) or 0 (off, the default).")
+    return _settings.DEFAULT_FOR_CPU.get()
 
 
 def make_default_for_cpu() -> str:

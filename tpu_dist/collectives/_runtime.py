@@ -54,11 +54,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tpu_dist import _settings
+
 logger = logging.getLogger(__name__)
 
-PLATFORM_ENV = "TPU_DIST_PLATFORM"
-COORDINATOR_ENV = "TPU_DIST_COORDINATOR_ADDRESS"
-_PLATFORMS = ("auto", "cpu", "tpu", "gpu")
+PLATFORM_ENV = _settings.PLATFORM.env
 _COORDINATOR_KEY = "jax_coordinator_address"
 _RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 _BIND_ENV = "JAX_COORDINATOR_BIND_ADDRESS"
@@ -100,10 +100,11 @@ def _leave_if_stuck() -> None:
     watchdog = _watchdog.get()
     if watchdog is None or not watchdog.stuck():
         return
-    from tpu_dist.launch import EXIT_CODE_VAR
-
-    raw = os.environ.get(EXIT_CODE_VAR, "1")
-    code = int(raw) if raw.isdigit() else 1
+    try:
+        code = _settings.EXIT_CODE.read()
+    except ValueError:
+        code = None
+    code = 1 if code is None or code < 0 else code
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -126,13 +127,8 @@ def resolve_platform(value: str | None = None) -> str:
     Raises:
         ValueError: the value is not one of auto, cpu, tpu, gpu.
     """
-    raw = value if value is not None else os.environ.get(PLATFORM_ENV, "auto")
-    choice = raw.strip().lower()
-    if choice not in _PLATFORMS:
-        raise ValueError(
-            f"{PLATFORM_ENV}={raw!r} is not a platform tpu_dist knows; "
-            f"use one of {', '.join(_PLATFORMS)}."
-        )
+    environ = None if value is None else {PLATFORM_ENV: value}
+    choice = _settings.PLATFORM.get(environ)
     if choice != "auto":
         return choice
     return "tpu" if _tpu_attached() else "cpu"
@@ -282,7 +278,7 @@ def disconnect() -> None:
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
     key = store_prefix() + _COORDINATOR_KEY
     if rank == 0:
-        address = os.environ.get(COORDINATOR_ENV) or f"{_host_address()}:{_free_port()}"
+        address = _settings.COORDINATOR_ADDRESS.read() or f"{_host_address()}:{_free_port()}"
         store.set(key, address)
         return address
     store.wait([key], timeout)

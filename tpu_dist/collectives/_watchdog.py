@@ -54,10 +54,11 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from tpu_dist import _settings
 from tpu_dist.collectives import flight_recorder
 
 if TYPE_CHECKING:
@@ -65,34 +66,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-POLICY_ENV = "TPU_DIST_TIMEOUT_POLICY"
-HEARTBEAT_TIMEOUT_ENV = "TPU_DIST_HEARTBEAT_TIMEOUT"
+POLICY_ENV = _settings.TIMEOUT_POLICY.env
+HEARTBEAT_TIMEOUT_ENV = _settings.HEARTBEAT_TIMEOUT.env
 _KEY = "heartbeat/"
 _EXITED = "exited/"
 _PROCESS = "process/"
 _FAILED_GROUP = "failed_group/"
 
-Policy = Literal["abort", "raise"]
+Policy = _settings.Policy
 
 
 def policy_from_env() -> Policy:
     """``TPU_DIST_TIMEOUT_POLICY``: ``abort`` (default) or ``raise``."""
-    raw = os.environ.get(POLICY_ENV, "abort").strip().lower()
-    if raw not in ("abort", "raise"):
-        raise ValueError(f"{POLICY_ENV}={raw!r}: use 'abort' (default) or 'raise'.")
-    return raw  # type: ignore[return-value]
+    return _settings.TIMEOUT_POLICY.get()  # type: ignore[return-value]
 
 
 def heartbeat_timeout_from_env() -> float:
     """``TPU_DIST_HEARTBEAT_TIMEOUT`` seconds (default 10)."""
-    raw = os.environ.get(HEARTBEAT_TIMEOUT_ENV, "10")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if value <= 0:
-        raise ValueError(f"{HEARTBEAT_TIMEOUT_ENV}={raw!r} must be positive seconds, e.g. 10.")
-    return value
+    return _settings.HEARTBEAT_TIMEOUT.get()
 
 
 @dataclass
@@ -234,9 +225,10 @@ class Watchdog:
             # A process that fails (a failed collective, or a non-zero exit code noted by
             # tpu-launch's worker entry) leaves at once, with its own exit code: the job is
             # failing, and the launcher stops the others.
-            from tpu_dist.launch import EXIT_CODE_VAR
-
-            failing = os.environ.get(EXIT_CODE_VAR, "0") not in ("", "0")
+            try:
+                failing = _settings.EXIT_CODE.read() not in (None, 0)
+            except ValueError:  # not a number: not an exit code tpu-launch wrote
+                failing = True
             if self.rank == 0 and self.world_size > 1 and not self._fired and not failing:
                 self._linger()
         except Exception:  # the store is gone: nobody is left to tell or wait for

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tpu_dist import _settings
 from tpu_dist.mesh import Topology
 
 __all__ = [
@@ -39,7 +39,7 @@ __all__ = [
     "write_report",
 ]
 
-COMPILE_ONLY_ENV = "TPU_DIST_COMPILE_ONLY"
+COMPILE_ONLY_ENV = _settings.COMPILE_ONLY.env
 """``1``: "tpu" groups of this process record collectives instead of running them (set by
 ``tpu-launch --compile-only``; the world's topology comes from ``TPU_DIST_TOPOLOGY`` /
 ``TPU_DIST_NUM_SLICES``)."""
@@ -51,10 +51,7 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     Raises:
         ValueError: the variable is set to something other than 0 or 1.
     """
-    raw = (os.environ if environ is None else environ).get(COMPILE_ONLY_ENV, "0").strip()
-    if raw not in ("0", "1", ""):
-        raise ValueError(f"{COMPILE_ONLY_ENV}={raw!r}: use 1 (compile-only mode) or 0 (off).")
-    return raw == "1"
+    return _settings.COMPILE_ONLY.get(environ)
 
 
 # -- the world's devices -------------------------------------------------------------------------

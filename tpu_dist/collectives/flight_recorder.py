@@ -39,20 +39,11 @@ import threading
 import time
 from collections.abc import Sequence
 
-DIR_ENV = "TPU_DIST_FLIGHT_RECORDER_DIR"
-SIZE_ENV = "TPU_DIST_FLIGHT_RECORDER_SIZE"
+from tpu_dist import _settings
+
+DIR_ENV = _settings.FLIGHT_RECORDER_DIR.env
+SIZE_ENV = _settings.FLIGHT_RECORDER_SIZE.env
 FORMAT_VERSION = 1
-
-
-def _size_from_env() -> int:
-    raw = os.environ.get(SIZE_ENV, "2000")
-    try:
-        size = int(raw)
-    except ValueError:
-        size = -1
-    if size < 1:
-        raise ValueError(f"{SIZE_ENV}={raw!r} must be a positive number of entries, e.g. 2000.")
-    return size
 
 
 class FlightRecorder:
@@ -130,10 +121,12 @@ class FlightRecorder:
 
 def default_dir() -> str:
     """``TPU_DIST_FLIGHT_RECORDER_DIR``, or ``$TMPDIR/tpu_dist_flight_recorder``."""
-    return os.environ.get(DIR_ENV) or os.path.join(tempfile.gettempdir(), "tpu_dist_flight_recorder")
+    return _settings.FLIGHT_RECORDER_DIR.read() or os.path.join(
+        tempfile.gettempdir(), "tpu_dist_flight_recorder"
+    )
 
 
-_recorder = FlightRecorder(_size_from_env())
+_recorder = FlightRecorder(_settings.FLIGHT_RECORDER_SIZE.get())
 
 
 def recorder() -> FlightRecorder:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tpu_dist import _settings
 from tpu_dist.collectives import DEFAULT_FOR_CPU_ENV
 from tpu_dist.launch._config import DEFAULT_TPU_BASE_PORT
 
@@ -62,7 +63,7 @@ TPU_KNOBS: tuple[Knob, ...] = (
     Knob(
         flags=("--emulate",),
         dest="emulate",
-        env="TPU_DIST_TOPOLOGY",
+        env=_settings.TOPOLOGY.env,
         type=str,
         default=None,
         metavar="TYPE",
@@ -74,7 +75,7 @@ TPU_KNOBS: tuple[Knob, ...] = (
     Knob(
         flags=("--num-slices", "--num_slices"),
         dest="num_slices",
-        env="TPU_DIST_NUM_SLICES",
+        env=_settings.NUM_SLICES.env,
         type=_positive_int,
         default=None,
         metavar="N",

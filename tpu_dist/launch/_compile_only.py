@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Mapping
 
+from tpu_dist import _settings
 from tpu_dist.launch._config import LaunchSpec
 from tpu_dist.launch._env import compute_worker_env
 
@@ -138,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     mode, target, args = argv[0], argv[1], argv[2:]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    topology = os.environ.get("TPU_DIST_TOPOLOGY")
-    slices = os.environ.get("TPU_DIST_NUM_SLICES", "1")
+    topology = _settings.TOPOLOGY.read()
+    slices = _settings.NUM_SLICES.get()
     print(
         f"tpu-launch --compile-only: running {target} as rank {rank} of {world} "
         f"({topology} x {slices} slice(s)) in one process. No TPU is used and no data moves: "

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Literal
 
+from tpu_dist import _settings
 from tpu_dist.launch._chips import SliceShape, parse_slice
 from tpu_dist.launch._discovery import Discovery, read_platform
 
@@ -453,7 +454,7 @@ def resolve(
 
     # --- what workers get -------------------------------------------------------------------
     platform: str | None = None
-    if "TPU_DIST_PLATFORM" in env:
+    if _settings.PLATFORM.env in env:
         prov["platform"] = "yours, passed through"
     elif mode in ("emulate", "cpu"):
         platform = "cpu"

@@ -34,7 +34,9 @@ import os
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
+
+from tpu_dist import _settings
 
 __all__ = [
     "Discovery",
@@ -49,8 +51,7 @@ __all__ = [
     "read_platform",
 ]
 
-Platform = Literal["cpu", "tpu", "gpu", "auto"]
-_PLATFORMS = ("cpu", "tpu", "gpu", "auto")
+Platform = _settings.Platform
 
 # Google's PCI vendor id and the device ids of TPU chips (as in jax/_src/hardware_utils.py).
 _GOOGLE_PCI_VENDOR_ID = "0x1ae0"
@@ -59,17 +60,12 @@ _TPU_PCI_DEVICE_IDS = frozenset(
 )
 
 DEFAULT_METADATA_URL = "http://169.254.169.254/computeMetadata/v1"
-DEFAULT_METADATA_TIMEOUT = 1.0
+DEFAULT_METADATA_TIMEOUT = float(_settings.METADATA_TIMEOUT.default)
 
 
 def read_platform(environ: Mapping[str, str]) -> Platform:
     """``TPU_DIST_PLATFORM``, strictly parsed; ``"auto"`` when unset."""
-    value = environ.get("TPU_DIST_PLATFORM", "auto").strip().lower() or "auto"
-    if value not in _PLATFORMS:
-        raise ValueError(
-            f"TPU_DIST_PLATFORM={environ['TPU_DIST_PLATFORM']!r} is not one of {_PLATFORMS}"
-        )
-    return value  # type: ignore[return-value]
+    return _settings.PLATFORM.get(environ)  # type: ignore[return-value]
 
 
 def count_local_tpu_chips(sysfs_root: str = "/sys") -> int:
@@ -137,20 +133,10 @@ class MetadataClient:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> MetadataClient:
         """Honours ``TPU_DIST_METADATA_URL``, ``GCE_METADATA_IP``, ``TPU_DIST_METADATA_TIMEOUT``."""
-        url = environ.get("TPU_DIST_METADATA_URL")
+        url = _settings.METADATA_URL.read(environ)
         if not url and environ.get("GCE_METADATA_IP"):
             url = f"http://{environ['GCE_METADATA_IP']}/computeMetadata/v1"
-        raw_timeout = environ.get("TPU_DIST_METADATA_TIMEOUT")
-        timeout = DEFAULT_METADATA_TIMEOUT
-        if raw_timeout is not None:
-            try:
-                timeout = float(raw_timeout)
-            except ValueError as err:
-                raise ValueError(
-                    f"TPU_DIST_METADATA_TIMEOUT={raw_timeout!r} is not a number of seconds"
-                ) from err
-            if timeout <= 0:
-                raise ValueError(f"TPU_DIST_METADATA_TIMEOUT={raw_timeout!r} must be > 0")
+        timeout = _settings.METADATA_TIMEOUT.get(environ)
         return cls(base_url=(url or DEFAULT_METADATA_URL).rstrip("/"), timeout=timeout)
 
     def attribute(self, key: str) -> str | None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from tpu_dist import _settings
 from tpu_dist.collectives import DEFAULT_FOR_CPU_ENV
 from tpu_dist.launch._config import LaunchSpec
 from tpu_dist.launch._torchtpu import torchtpu_vars
@@ -58,7 +59,7 @@ ELASTIC_VARS = (
 """Set per worker by torch.distributed.elastic; a user's value cannot win over these."""
 
 # Variables whose explicit flag beats the environment (the flag's env default is this variable).
-_FLAG_BACKED = {"TPU_DIST_TOPOLOGY": "--emulate", "TPU_DIST_NUM_SLICES": "--num-slices"}
+_FLAG_BACKED = {_settings.TOPOLOGY.env: "--emulate", _settings.NUM_SLICES.env: "--num-slices"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,10 +149,10 @@ def compute_worker_env(
     per_rank: list[dict[str, str]] = [{} for _ in range(spec.nproc_per_node)]
 
     if spec.platform is not None:
-        shared["TPU_DIST_PLATFORM"] = spec.platform
+        shared[_settings.PLATFORM.env] = spec.platform
     if spec.mode == "emulate" and spec.topology is not None:
-        shared["TPU_DIST_TOPOLOGY"] = spec.topology
-        shared["TPU_DIST_NUM_SLICES"] = str(spec.num_slices)
+        shared[_settings.TOPOLOGY.env] = spec.topology
+        shared[_settings.NUM_SLICES.env] = str(spec.num_slices)
     if spec.one_chip_per_process:
         if node_rank == spec.node_rank:
             worker_id = spec.worker_id

@@ -26,6 +26,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from tpu_dist import _settings
 from tpu_dist.launch import _worker
 from tpu_dist.launch._chips import placement
 from tpu_dist.launch._config import DEFAULT_MASTER_PORT, LaunchSpec
@@ -107,8 +108,9 @@ def format_dry_run(
     tee = "both streams" if spec.tee == "3" else f"--tee {spec.tee}"
     row("output", f"{tee}, lines prefixed {DEFAULT_LOG_LINE_PREFIX.replace('${rank}', '<RANK>')}")
     if "platform" in prov:
-        value = spec.platform or environ.get("TPU_DIST_PLATFORM", "")
-        row("platform", f"TPU_DIST_PLATFORM={value} [{prov['platform']}]")
+        name = _settings.PLATFORM.env
+        value = spec.platform or environ.get(name, "")  # shown as given
+        row("platform", f"{name}={value} [{prov['platform']}]")
 
     this = compute_worker_env(spec, environ)
     lines += ["", "environment shared by every worker (besides the user's)"]

@@ -43,6 +43,8 @@ import time
 import traceback
 from types import TracebackType
 
+from tpu_dist import _settings
+
 WORKER_ENV_VAR = "TPU_DIST_LAUNCH_WORKER_ENV"
 LAUNCHER_PID_VAR = "TPU_DIST_LAUNCH_PID"
 QUIET_GLOO_VAR = "TPU_DIST_LAUNCH_QUIET_GLOO"
@@ -116,7 +118,7 @@ def quiet_gloo_lines() -> None:
 def _maybe_quiet() -> None:
     if os.environ.pop(QUIET_GLOO_VAR, "") == "1":
         quiet_gloo_lines()
-EXIT_CODE_VAR = "TPU_DIST_EXIT_CODE"
+EXIT_CODE_VAR = _settings.EXIT_CODE.env
 """The exit code the user's program is leaving with, set here when it ends. A process whose
 collective program is stuck in XLA cannot go through JAX's teardown and leaves with
 ``os._exit`` instead; tpu_dist.collectives reads this variable to keep the program's own code."""

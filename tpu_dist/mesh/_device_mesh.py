@@ -7,13 +7,13 @@ environment, or real TPU devices), :func:`init_device_mesh` builds the torch ``D
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tpu_dist import _settings
 from tpu_dist.mesh._plan import plan_mesh
 from tpu_dist.mesh._topology import Topology
 
@@ -30,29 +30,8 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class _EnvKnob:
-    """One environment variable: its name, default and meaning, declared once."""
-
-    env: str
-    default: str | None
-    help: str
-
-
-_TOPOLOGY = _EnvKnob(
-    env="TPU_DIST_TOPOLOGY",
-    default=None,
-    help=(
-        "The TPU topology CPU-emulated ranks pretend to run on: an accelerator type "
-        "('v5p-128', 'v5litepod-16') or 'generation:topology' ('v5p:16x16x24'). Unset: real "
-        "TPU devices if the 'tpu' backend runs on TPUs, else a default that fits the world size."
-    ),
-)
-_NUM_SLICES = _EnvKnob(
-    env="TPU_DIST_NUM_SLICES",
-    default="1",
-    help="Slices of TPU_DIST_TOPOLOGY, joined by DCN (a positive int).",
-)
+_TOPOLOGY = _settings.TOPOLOGY
+_NUM_SLICES = _settings.NUM_SLICES
 
 TOPOLOGY_ENV = _TOPOLOGY.env
 """``"TPU_DIST_TOPOLOGY"``: see :func:`current_topology`."""
@@ -67,22 +46,16 @@ def topology_from_env(environ: Mapping[str, str] | None = None) -> Topology | No
         ValueError: a variable is malformed; the message names it.
     """
     environ = os.environ if environ is None else environ
-    spec = environ.get(_TOPOLOGY.env, "").strip()
-    raw_slices = environ.get(_NUM_SLICES.env, "").strip()
+    spec = _TOPOLOGY.read(environ)
+    num_slices = _NUM_SLICES.get(environ)
     if not spec:
+        raw_slices = environ.get(_NUM_SLICES.env, "").strip()
         if raw_slices:
             raise ValueError(
                 f"{_NUM_SLICES.env}={raw_slices!r} is set but {_TOPOLOGY.env} is not; set both "
                 f"(e.g. {_TOPOLOGY.env}=v5p-8 {_NUM_SLICES.env}=2) or neither"
             )
         return None
-    raw_slices = raw_slices or str(_NUM_SLICES.default)
-    try:
-        num_slices = int(raw_slices)
-    except ValueError:
-        num_slices = 0
-    if num_slices < 1 or str(num_slices) != raw_slices.lstrip("+"):
-        raise ValueError(f"{_NUM_SLICES.env} must be a positive int, got {raw_slices!r}")
     try:
         return Topology.parse(spec, num_slices)
     except ValueError as err:

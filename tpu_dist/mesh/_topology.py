@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from tpu_dist import _settings
 from tpu_dist.mesh._generations import (
     V4,
     V5E,
@@ -420,10 +421,10 @@ class Topology:
     def env(self) -> dict[str, str]:
         """The environment variables that make emulated ranks see this topology.
 
-        ``{"TPU_DIST_TOPOLOGY": spec, "TPU_DIST_NUM_SLICES": str(num_slices)}``, what
+        ``TPU_DIST_TOPOLOGY`` (the spec) and ``TPU_DIST_NUM_SLICES`` (the slice count), what
         ``tpu-launch --emulate`` sets.
         """
-        return {"TPU_DIST_TOPOLOGY": self.spec, "TPU_DIST_NUM_SLICES": str(self._num_slices)}
+        return {_settings.TOPOLOGY.env: self.spec, _settings.NUM_SLICES.env: str(self._num_slices)}
 
     # -- dunder ----------------------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""tpu_dist._settings: every TPU_DIST_* variable declared once, parsed strictly (one process)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+
+from tpu_dist import _settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("setting", _settings.SETTINGS, ids=lambda s: s.env)
+def test_defaults_parse(setting: _settings.Setting) -> None:
+    value = setting.read({})
+    if setting.default is None:
+        assert value is None
+    else:
+        assert value == setting.parse(setting.default)
+    assert setting.env.startswith("TPU_DIST_") and setting.help
+
+
+@pytest.mark.parametrize(
+    ("setting", "raw", "value"),
+    [
+        (_settings.PLATFORM, " CPU ", "cpu"),
+        (_settings.TIMEOUT_POLICY, "raise", "raise"),
+        (_settings.HEARTBEAT_TIMEOUT, "2.5", 2.5),
+        (_settings.FLIGHT_RECORDER_SIZE, "7", 7),
+        (_settings.NUM_SLICES, "+2", 2),
+        (_settings.DEFAULT_FOR_CPU, "yes", True),
+        (_settings.COMPILE_ONLY, "1", True),
+        (_settings.BACKEND_NAME, "TPU_JAX", "tpu_jax"),
+        (_settings.EXIT_CODE, "3", 3),
+        (_settings.PLATFORM, "", "auto"),  # empty is unset
+    ],
+)
+def test_values(setting: _settings.Setting, raw: str, value: object) -> None:
+    assert setting.read({setting.env: raw}) == value
+
+
+@pytest.mark.parametrize(
+    ("setting", "raw"),
+    [
+        (_settings.PLATFORM, "quantum"),
+        (_settings.TIMEOUT_POLICY, "ignore"),
+        (_settings.HEARTBEAT_TIMEOUT, "-1"),
+        (_settings.HEARTBEAT_TIMEOUT, "soon"),
+        (_settings.FLIGHT_RECORDER_SIZE, "0"),
+        (_settings.NUM_SLICES, "1.5"),
+        (_settings.DEFAULT_FOR_CPU, "maybe"),
+        (_settings.COMPILE_ONLY, "yes"),
+        (_settings.BACKEND_NAME, "my-backend"),
+        (_settings.EXIT_CODE, "x"),
+        (_settings.METADATA_TIMEOUT, "0"),
+    ],
+)
+def test_malformed_values_name_the_variable(setting: _settings.Setting, raw: str) -> None:
+    with pytest.raises(ValueError) as info:
+        setting.read({setting.env: raw})
+    assert f"{setting.env}={raw!r}" in str(info.value)
+
+
+def test_library_reads_tpu_dist_variables_only_through_settings() -> None:
+    # A TPU_DIST_* name as a string literal in library code is a second declaration, except
+    # in the settings module, the launcher's flag table (_cli.py: --runtime, --tpu-base-port)
+    # and the variables the launcher hands to its own worker entry (_worker.py).
+    allowed = {"_settings.py", "_cli.py", "_worker.py"}
+    offenders = []
+    for path in (ROOT / "tpu_dist").rglob("*.py"):
+        if path.name in allowed:
+            continue
+        for lineno, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"(?<!`)[\"']TPU_DIST_[A-Z_]+[\"'](?!`)", line):
+                offenders.append(f"{path.relative_to(ROOT)}:{lineno}: {line.strip()}")
+    assert not offenders, offenders
+
+
+def test_readme_lists_every_setting() -> None:
+    readme = (ROOT / "README.md").read_text()
+    missing = [s.env for s in _settings.SETTINGS if f"`{s.env}`" not in readme]
+    assert not missing

@@ -1,0 +1,251 @@
+"""Every ``TPU_DIST_*`` environment variable tpu_dist's library code reads, declared once.
+
+Each :class:`Setting` holds a variable's name, its default, its help text and a strict parser;
+:meth:`Setting.read` returns the typed value and names the variable (and the value it had) in
+the error when it is malformed. Code that needs a setting reads it through its declaration here,
+never through ``os.environ`` directly, and reads it once, when the object that uses it is built
+(the JAX runtime at its start, the watchdog when it starts, the flight recorder at import, the
+registration at ``import tpu_dist``).
+
+The launcher's own flags (``tpu-launch --emulate`` / ``TPU_DIST_TOPOLOGY``, ``--tpu-base-port``
+/ ``TPU_DIST_TPU_BASE_PORT``, ...) are declared with their flags in
+:mod:`tpu_dist.launch._cli`; where a flag's variable is also read by library code, the flag uses
+the name declared here. Variables the launcher hands only to its own worker entry
+(``TPU_DIST_LAUNCH_*``) are declared in :mod:`tpu_dist.launch._worker`.
+
+Importing this module is cheap (no torch, no JAX): the launcher and the mesh planner use it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Generic, Literal, TypeVar
+
+T = TypeVar("T")
+
+Platform = Literal["auto", "cpu", "tpu", "gpu"]
+Policy = Literal["abort", "raise"]
+
+PLATFORMS: tuple[Platform, ...] = ("auto", "cpu", "tpu", "gpu")
+POLICIES: tuple[Policy, ...] = ("abort", "raise")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Setting(Generic[T]):
+    """One environment variable: its name, default, meaning and parser, declared once."""
+
+    env: str
+    """The variable's name, ``TPU_DIST_...``."""
+    default: str | None
+    """The raw value used when the variable is unset or empty; None: the setting has no
+    value then (:meth:`read` returns None)."""
+    help: str
+    """What the variable does (the README's table says the same)."""
+    parse: Callable[[str], T]
+    """Turns the raw value into the typed one; raises ``ValueError(reason)`` if malformed."""
+
+    def read(self, environ: Mapping[str, str] | None = None) -> T | None:
+        """The typed value from ``environ`` (default: ``os.environ``).
+
+        Raises:
+            ValueError: the value is malformed; the message names the variable and its value.
+        """
+        environ = os.environ if environ is None else environ
+        raw = environ.get(self.env)
+        if raw is None or not raw.strip():
+            if self.default is None:
+                return None
+            raw = self.default
+        try:
+            return self.parse(raw)
+        except ValueError as err:
+            raise ValueError(f"{self.env}={raw!r} {err}") from None
+
+    def get(self, environ: Mapping[str, str] | None = None) -> T:
+        """:meth:`read` for a setting with a default (never None)."""
+        return self.read(environ)  # type: ignore[return-value]
+
+
+def _choice(choices: tuple[str, ...], what: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ValueError(f"is not {what}; use one of {', '.join(choices)}.")
+        return value
+
+    return parse
+
+
+def _bool(raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("is not a switch: use 1 (on) or 0 (off).")
+
+
+def _zero_or_one(raw: str) -> bool:
+    value = raw.strip()
+    if value not in ("0", "1"):
+        raise ValueError("is not a switch: use 1 (on) or 0 (off).")
+    return value == "1"
+
+
+def _positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError("must be a positive number of seconds, e.g. 10.")
+    return value
+
+
+def _positive_int(example: str) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        text = raw.strip()
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1 or str(value) != text.lstrip("+"):
+            raise ValueError(f"must be a positive int, got {raw!r}; e.g. {example}.")
+        return value
+
+    return parse
+
+
+def _int(raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError("is not an exit code (an integer).") from None
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+def _backend_name(raw: str) -> str:
+    name = raw.strip().lower()
+    if not name.isidentifier():
+        raise ValueError("is not a usable backend name; use a short identifier such as 'tpu_jax'.")
+    return name
+
+
+# -- the collectives' runtime ----------------------------------------------------------------
+
+PLATFORM: Setting[str] = Setting(
+    env="TPU_DIST_PLATFORM",
+    default="auto",
+    help="Where collectives run: auto (TPU when attached, else CPU), cpu, tpu, gpu.",
+    parse=_choice(PLATFORMS, "a platform tpu_dist knows"),
+)
+COORDINATOR_ADDRESS: Setting[str] = Setting(
+    env="TPU_DIST_COORDINATOR_ADDRESS",
+    default=None,
+    help="host:port of JAX's coordination service (default: rank 0's MASTER_ADDR and a free "
+    "port).",
+    parse=_text,
+)
+TIMEOUT_POLICY: Setting[str] = Setting(
+    env="TPU_DIST_TIMEOUT_POLICY",
+    default="abort",
+    help="What a timed-out or orphaned collective does: abort (dump the flight record, end "
+    "the process) or raise (DistBackendError from wait(), the group marked failed).",
+    parse=_choice(POLICIES, "a timeout policy"),
+)
+HEARTBEAT_TIMEOUT: Setting[float] = Setting(
+    env="TPU_DIST_HEARTBEAT_TIMEOUT",
+    default="10",
+    help="Seconds without a heartbeat after which a dead or stopped peer on this host counts "
+    "as gone.",
+    parse=_positive_float,
+)
+FLIGHT_RECORDER_DIR: Setting[str] = Setting(
+    env="TPU_DIST_FLIGHT_RECORDER_DIR",
+    default=None,
+    help="Where flight records are written (default: $TMPDIR/tpu_dist_flight_recorder).",
+    parse=_text,
+)
+FLIGHT_RECORDER_SIZE: Setting[int] = Setting(
+    env="TPU_DIST_FLIGHT_RECORDER_SIZE",
+    default="2000",
+    help="How many recent collectives the flight recorder keeps.",
+    parse=_positive_int("2000"),
+)
+EXIT_CODE: Setting[int] = Setting(
+    env="TPU_DIST_EXIT_CODE",
+    default=None,
+    help="The exit code the program is leaving with (set by tpu-launch's worker entry as the "
+    "program runs, so it is read when the process exits, not once).",
+    parse=_int,
+)
+COMPILE_ONLY: Setting[bool] = Setting(
+    env="TPU_DIST_COMPILE_ONLY",
+    default="0",
+    help="1: 'tpu' groups record collectives instead of running them (tpu-launch "
+    "--compile-only sets it).",
+    parse=_zero_or_one,
+)
+
+# -- registration ----------------------------------------------------------------------------
+
+BACKEND_NAME: Setting[str] = Setting(
+    env="TPU_DIST_BACKEND_NAME",
+    default="tpu",
+    help="The torch.distributed backend name tpu_dist registers under. When it is taken by "
+    "another package, tpu_dist registers under 'tpu_jax' instead and warns.",
+    parse=_backend_name,
+)
+DEFAULT_FOR_CPU: Setting[bool] = Setting(
+    env="TPU_DIST_DEFAULT_FOR_CPU",
+    default="0",
+    help="1: at import, make tpu_dist torch's default backend for CPU tensors (what "
+    "init_process_group() without a backend and get_default_backend_for_device('cpu') use). "
+    "0 (default): gloo stays the default.",
+    parse=_bool,
+)
+
+# -- topology (emulation) --------------------------------------------------------------------
+
+TOPOLOGY: Setting[str] = Setting(
+    env="TPU_DIST_TOPOLOGY",
+    default=None,
+    help="The TPU topology CPU-emulated ranks pretend to run on: an accelerator type "
+    "('v5p-128', 'v5litepod-16') or 'generation:topology' ('v5p:16x16x24'). Unset: real "
+    "TPU devices if the 'tpu' backend runs on TPUs, else a default that fits the world size.",
+    parse=_text,
+)
+NUM_SLICES: Setting[int] = Setting(
+    env="TPU_DIST_NUM_SLICES",
+    default="1",
+    help="Slices of TPU_DIST_TOPOLOGY, joined by DCN (a positive int).",
+    parse=_positive_int("2"),
+)
+
+# -- the launcher's TPU discovery --------------------------------------------------------------
+
+METADATA_URL: Setting[str] = Setting(
+    env="TPU_DIST_METADATA_URL",
+    default=None,
+    help="The GCE metadata server's base URL (default http://169.254.169.254/computeMetadata/v1"
+    ", or GCE_METADATA_IP's).",
+    parse=_text,
+)
+METADATA_TIMEOUT: Setting[float] = Setting(
+    env="TPU_DIST_METADATA_TIMEOUT",
+    default="1",
+    help="Seconds for one metadata request, connection included.",
+    parse=_positive_float,
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    PLATFORM, COORDINATOR_ADDRESS, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
+    FLIGHT_RECORDER_SIZE, EXIT_CODE, COMPILE_ONLY, BACKEND_NAME, DEFAULT_FOR_CPU, TOPOLOGY,
+    NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
+)
+"""Every declared setting, in the order above."""
