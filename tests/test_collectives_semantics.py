@@ -10,6 +10,8 @@ Rank groups used below (4 ranks):
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from datetime import timedelta
 
 import pytest
 import torch
@@ -141,6 +143,45 @@ def test_async_op_returns_before_the_data_moves(world: World) -> None:
     # Rank 0 got both works back while ranks 1..3 slept 1.5 s, and they were not done then.
     assert results[0]["returned_after"] < 0.5, results[0]
     assert results[0]["done_early"] is False, results[0]
+
+
+def _timed_wait(rank: int, world_size: int) -> dict:
+    """Rank 0 waits 0.2 s for an all_reduce its peers join 1 s late; then waits for good."""
+    t = torch.full((4,), float(rank))
+    dist.barrier()
+    if rank != 0:
+        time.sleep(1.0)
+    work = dist.all_reduce(t, async_op=True)
+    out: dict = {}
+    if rank == 0:
+        began = time.monotonic()
+        try:
+            out["first"] = work.wait(timeout=timedelta(milliseconds=200))
+        except RuntimeError as err:
+            out["first"] = type(err).__name__ + (": timed out" if "timed out" in str(err) else str(err))
+        out["elapsed"] = time.monotonic() - began
+        out["completed_after_timeout"] = work.is_completed()
+    out["second"] = work.wait()
+    out["value"] = t.tolist()
+    later = torch.ones(2)
+    out["long_enough"] = dist.all_reduce(later, async_op=True).wait(timeout=timedelta(seconds=60))
+    out["later"] = later.tolist()
+    return out
+
+
+def test_wait_with_a_timeout_behaves_as_on_gloo(
+    world: World, worlds: Callable[..., World]
+) -> None:
+    # gloo (c10d's Work::wait): RuntimeError("Operation timed out!"), the collective stays in
+    # flight and a later wait() completes it.
+    for results in (world.run(_timed_wait), worlds(4, backend="gloo").run(_timed_wait)):
+        total = float(sum(range(4)))
+        assert results[0]["first"] == "RuntimeError: timed out", results[0]
+        assert 0.15 < results[0]["elapsed"] < 0.9, results[0]
+        assert results[0]["completed_after_timeout"] is False, results[0]
+        for r in results:
+            assert r["second"] is True and r["value"] == [total] * 4, r
+            assert r["long_enough"] is True and r["later"] == [4.0, 4.0], r
 
 
 def _subgroups(rank: int, world_size: int) -> list[str]:

@@ -331,9 +331,7 @@ def _track(
         if watchdog is not None:
             watchdog.done(work)
 
-    work._on_done = on_done
-    if work._done:
-        on_done(work._error)
+    work.on_done(on_done)
 
 
 @route_other_devices
@@ -493,15 +491,12 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         # communicators inside dispatch and blocks there until every peer arrives.
         _track(work, self._group_name, self._global_ranks, seq, description, meta, params,
                self._timeout)
-        def complete() -> list[torch.Tensor]:
-            # By now the work holds the program's result blocks (see TPUWork._await_arrays).
-            return finish([_runtime.to_torch(o) for o in work._pending])
+        def complete(outs: list) -> list[torch.Tensor]:
+            return finish([_runtime.to_torch(o) for o in outs])
 
         ticket = self._ticket(seq, 1)
         if async_op:
-            work._attach_dispatch(
-                _dispatcher.submit(key, self._devices, arrays, ticket), complete
-            )
+            work.start_later(_dispatcher.submit(key, self._devices, arrays, ticket), complete)
             return work
         try:
             if self._poll:
@@ -513,20 +508,18 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             else:
                 outs = _dispatcher.run_in_order(key, self._devices, arrays)
         except dist.DistBackendError as err:
-            work._attach((), None)
-            work._on_done(err)
+            work.fail(err)
             raise
         except Exception as err:
             error = explain(err)
-            work._attach((), None)
-            work._on_done(error)
+            work.fail(error)
             raise error from err
-        work._attach(outs, complete)
+        work.start(outs, complete)
         return work
 
     def _remember(self, work: TPUWork) -> None:
         with self._unfinished_lock:
-            while self._unfinished and self._unfinished[0]._done:
+            while self._unfinished and self._unfinished[0].done:
                 self._unfinished.popleft()
             self._unfinished.append(work)
 
@@ -541,10 +534,10 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             for other in self._unfinished:
                 if other is work:
                     break
-                if not other._done:
+                if not other.done:
                     earlier.append(other)
         for other in earlier:
-            other._complete(flush=False)
+            other.complete(flush=False)
 
     def _ticket(self, seq: int, part: int) -> Ticket | None:
         """The ticket of this group's call ``seq`` if other groups share its devices, else None.
@@ -1075,18 +1068,19 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         op = "recv"
         tensor = _checks.check_single(op, tensors)
         _checks.check_output(op, tensor, "tensor")
-        work = TPUWork(f"recv (any source, tag {tag})", (), list)
+        received = []
 
-        def receive() -> None:
-            if work._source is not None:
+        def receive(block: bool) -> None:
+            if received:
                 return
             src = self._wait_for_sender(int(tag))
             inner = self.recv([tensor], src, tag)
             inner.wait()
-            work._source = src
-            work._attach((), lambda: [tensor])
+            received.append(src)
+            work.received_from(src)
+            work.start((), lambda outs: [tensor])
 
-        work._before_wait = receive
+        work = TPUWork(f"recv (any source, tag {tag})", before_wait=receive)
         return work
 
     def _wait_for_sender(self, tag: int) -> int:
@@ -1135,7 +1129,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self, op: str, tensors: list[torch.Tensor], peer: int, tag: int, *, is_send: bool
     ) -> TPUWork:
         tensor = self._check_p2p(op, tensors, peer, is_send=is_send)
-        work = TPUWork(f"{op} (peer {peer}, tag {tag})", (), list, before_wait=_p2p_queue.flush)
+        work = TPUWork(
+            f"{op} (peer {peer}, tag {tag})", before_wait=lambda block: _p2p_queue.flush()
+        )
         _p2p_queue.add(
             _P2POp(work, self, is_send, self._global_ranks[peer], int(tag), tensor)
         )
@@ -1151,7 +1147,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         tensor = op.tensor
         words = _words(tensor)
         if words.numel() == 0:
-            op.work._attach((), lambda: [tensor])
+            op.work.start((), lambda outs: [tensor])
             return
         array = _runtime.to_jax(words)
         key = ProgramKey(
@@ -1162,14 +1158,14 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         )
         outs = _dispatcher.run_in_order(key, [devices[low], devices[high]], [array])
 
-        def complete() -> list[torch.Tensor]:
+        def complete(outs: list) -> list[torch.Tensor]:
             if not op.is_send:
                 _write(tensor, _runtime.to_torch(outs[0]))
             return [tensor]
 
         pair = f"p2p:{low}-{high}"
         seq = _p2p_seq[pair] = _p2p_seq.get(pair, 0) + 1
-        op.work._attach(outs, complete)
+        op.work.start(outs, complete)
         _track(op.work, pair, [low, high], seq, "send" if op.is_send else "recv",
                ((array.shape[0], array.dtype.name),), (f"tag={op.tag}",), self._timeout)
 

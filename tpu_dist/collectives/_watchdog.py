@@ -92,7 +92,7 @@ class InFlight:
 
     work: TPUWork
     """The watchdog completes it once its program finished (nobody may wait on it) or
-    calls its ``_fail(error)``."""
+    interrupts it (``work.interrupt(error)``)."""
     group: str
     group_ranks: list[int]
     seq: int
@@ -202,7 +202,7 @@ class Watchdog:
             if not items:
                 return
             for item in items:
-                item.work._complete(flush=False)
+                item.work.complete(flush=False)
                 self.done(item.work)
 
     def at_exit(self) -> None:
@@ -357,7 +357,7 @@ class Watchdog:
                 reason = self._failed_groups.get(item.group)
                 if reason is not None and id(item.work) not in self._fired:
                     self._fired.add(id(item.work))
-                    item.work._fail(dist.DistBackendError(
+                    item.work.interrupt(dist.DistBackendError(
                         f"tpu_dist: {item.op} (collective #{item.seq} of group "
                         f"{item.group!r}) failed on rank {self.rank}: the group failed "
                         f"({reason})."
@@ -367,7 +367,7 @@ class Watchdog:
                     continue
                 # A finished program whose work nobody waits on (async_op=True, never
                 # waited) is not in flight: complete it, do not time it out.
-                if item.work._complete_if_finished():
+                if item.work.complete_if_finished():
                     continue
                 diagnosis = self._diagnose(item, now)
                 if diagnosis is not None:
@@ -471,7 +471,7 @@ class Watchdog:
             self._store.set(key, f"on rank {self.rank}: {message}")
         except Exception as err:  # the store is gone: the peers time out on their own
             logger.debug("tpu_dist watchdog: %s", err)
-        item.work._fail(dist.DistBackendError(f"tpu_dist: {message}"))
+        item.work.interrupt(dist.DistBackendError(f"tpu_dist: {message}"))
 
 
 def explain_failure(

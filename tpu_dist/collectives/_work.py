@@ -1,14 +1,24 @@
 """Work objects: what a "tpu" collective returns, and how it completes.
 
-JAX dispatch is asynchronous: when a collective method returns, its XLA
-program is queued and its results are JAX arrays that are not ready yet (for
-``async_op=True`` calls, the program may not even have been started: the
-backend's dispatcher thread starts it). :class:`TPUWork` completes the call:
-it waits for the start and for those arrays, and runs the op's *finish* step,
-which copies results into the caller's output tensors.
-The finish step runs exactly once, on whichever thread gets there first (and
-before it, the finish steps of every earlier unfinished work of the same
-group, so a collective's completion implies its predecessors' outputs):
+A :class:`TPUWork` is the *complete* stage of a collective's life (plan -> track -> dispatch ->
+complete). Its state is one field, :class:`WorkState`:
+
+* ``PENDING``: issued, its XLA program not started yet (an ``async_op=True`` call whose program
+  the dispatcher thread has not started, a point-to-point op still queued);
+* ``RUNNING``: the program was started; its result blocks are JAX arrays that may not be ready;
+* ``DONE``: the finish step ran: the outputs are written;
+* ``FAILED``: the program, its start or its finish step failed (or the watchdog gave up on
+  it); the error is raised by every ``wait()`` and the outputs are left as they were.
+
+The stages that feed it use a narrow API: the dispatcher's caller hands it the started program
+(:meth:`TPUWork.start`, :meth:`TPUWork.start_later`) or the error that kept it from starting
+(:meth:`TPUWork.fail`); tracking registers a callback for its end (:meth:`TPUWork.on_done`);
+the watchdog completes a finished one nobody waits on (:meth:`TPUWork.complete_if_finished`),
+or interrupts one that will never finish (:meth:`TPUWork.interrupt`).
+
+The finish step runs exactly once, on whichever thread gets there first (and before it, the
+finish steps of every earlier unfinished work of the same group, so a collective's completion
+implies its predecessors' outputs):
 
 * ``work.wait()`` (what every synchronous torch.distributed call does),
 * ``work.is_completed()`` once the arrays are ready,
@@ -18,13 +28,16 @@ group, so a collective's completion implies its predecessors' outputs):
   nobody waits on (as gloo's and NCCL's outputs appear without ``wait()``),
 * the exit handler, for every work still in flight when the interpreter exits.
 
-If the program or the finish step fails, the error is kept and raised by
-every ``wait()``; the output tensors are then left as they were.
+``wait(timeout)`` does what c10d's ``Work::wait`` (and so gloo's collectives) does: when the
+collective has not completed within ``timeout`` it raises ``RuntimeError`` ("Operation timed
+out!") and the collective stays in flight; a later ``wait()`` completes it. A zero or absent
+timeout waits for as long as it takes (the group's timeout and the watchdog still apply).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import enum
 import queue
 import threading
 import time
@@ -39,6 +52,23 @@ from tpu_dist.collectives import _runtime
 
 #: Longest sleep between readiness checks of a polled work (TPU_DIST_TIMEOUT_POLICY=raise).
 _MAX_POLL_SLEEP = 2e-4
+#: Longest sleep between readiness checks of a ``wait(timeout)``.
+_MAX_TIMED_SLEEP = 1e-3
+
+Finish = Callable[[list[jax.Array]], list[torch.Tensor]]
+"""An op's finish step: the program's result blocks in, the op's output tensors out (written)."""
+
+
+class WorkState(enum.Enum):
+    """Where a :class:`TPUWork` stands (see the module docstring)."""
+
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_ENDED = (WorkState.DONE, WorkState.FAILED)
 
 
 class TPUWork(dist._Work):
@@ -47,113 +77,179 @@ class TPUWork(dist._Work):
     def __init__(
         self,
         description: str,
-        pending: Sequence[jax.Array] = (),
-        finish: Callable[[], list[torch.Tensor]] | None = None,
-        before_wait: Callable[[], None] | None = None,
-        on_done: Callable[[BaseException | None], None] | None = None,
+        *,
         poll: bool = False,
         explain: Callable[[BaseException], dist.DistBackendError] | None = None,
         complete_earlier: Callable[[], None] | None = None,
+        before_wait: Callable[[bool], None] | None = None,
     ) -> None:
+        """A work in state ``PENDING``.
+
+        Args:
+            description: The op as users know it (``all_reduce``, ``send (peer 1, tag 0)``).
+            poll: Wait by polling, so that :meth:`interrupt` reaches a waiter (raise policy).
+            explain: Turns an XLA error into the ``DistBackendError`` users get.
+            complete_earlier: Completes the group's earlier works (called before finishing).
+            before_wait: Called with ``block`` before any wait: starts what the work waits on
+                (queued point-to-point ops; the sender of a receive from any source).
+                ``block=False`` for a ``wait(timeout)``: start without waiting inline.
+        """
         super().__init__()
-        self._complete_earlier = complete_earlier
-        self._source: int | None = None
-        """The sender's group rank, for a receive from any source."""
         self._description = description
-        self._pending = list(pending)
-        self._finish = finish
-        self._before_wait = before_wait
-        self._on_done = on_done
         self._poll = poll
         self._explain = explain
-        self._failed_from_outside: BaseException | None = None
+        self._complete_earlier = complete_earlier
+        self._before_wait = before_wait
         self._lock = threading.Lock()
-        self._done = False
+        self._state = WorkState.PENDING
+        self._arrays: list[jax.Array] = []
+        self._starting: concurrent.futures.Future | None = None
+        self._finish: Finish | None = None
+        self._interrupted: BaseException | None = None
         self._error: BaseException | None = None
         self._result: list[torch.Tensor] = []
         self._future: torch.futures.Future | None = None
-        self._dispatching: concurrent.futures.Future | None = None
+        self._done_callbacks: list[Callable[[BaseException | None], None]] = []
+        self._source: int | None = None
 
     @classmethod
     def completed(cls, description: str, result: list[torch.Tensor]) -> TPUWork:
-        """A work that is already complete with ``result`` (nothing to communicate)."""
-        work = cls(description, (), lambda: result)
-        work._complete()
+        """A work that is already ``DONE`` with ``result`` (nothing to communicate)."""
+        work = cls(description)
+        work._result = result
+        work._state = WorkState.DONE
         return work
 
-    def _attach(self, pending: Sequence[jax.Array], finish: Callable[[], list[torch.Tensor]]) -> None:
-        """Give a deferred work (point-to-point) its dispatched arrays and finish step."""
-        self._pending = list(pending)
+    # -- the narrow API of the stages before this one --------------------------------------
+
+    @property
+    def state(self) -> WorkState:
+        """This work's :class:`WorkState`."""
+        return self._state
+
+    @property
+    def description(self) -> str:
+        return self._description
+
+    @property
+    def done(self) -> bool:
+        """True once ``DONE`` or ``FAILED``."""
+        return self._state in _ENDED
+
+    def start(self, arrays: Sequence[jax.Array], finish: Finish) -> None:
+        """The program was started: ``arrays`` are its result blocks, ``finish`` writes them."""
+        self._arrays = list(arrays)
         self._finish = finish
+        self._state = WorkState.RUNNING
 
-    def _attach_dispatch(
-        self, dispatching: concurrent.futures.Future, finish: Callable[[], list[torch.Tensor]]
-    ) -> None:
-        """Give an ``async_op`` work the future of its program's start and its finish step;
-        the finish step finds the program's result blocks in ``self._pending``."""
-        self._dispatching = dispatching
+    def start_later(self, starting: concurrent.futures.Future, finish: Finish) -> None:
+        """The dispatcher thread starts the program: ``starting`` resolves to its result blocks
+        (or to the error that kept it from starting)."""
+        self._starting = starting
         self._finish = finish
+        starting.add_done_callback(self._started)
 
-    def _fail(self, error: BaseException) -> None:
-        """Fail a work whose program will never finish (the watchdog's ``raise`` policy)."""
-        self._failed_from_outside = error
+    def _started(self, starting: concurrent.futures.Future) -> None:
+        with self._lock:
+            if self._state is WorkState.PENDING:
+                self._state = WorkState.RUNNING
 
-    def _await_dispatch(self) -> None:
-        """Wait until an ``async_op`` program has been started; its blocks become pending."""
-        dispatching = self._dispatching
-        if dispatching is None:
-            return
-        if self._poll:
-            outs = wait_interruptibly(self, dispatching)
-        else:
-            outs = dispatching.result()
-        self._pending = list(outs)
-        self._dispatching = None
+    def fail(self, error: BaseException) -> None:
+        """The program could not be started: the work is ``FAILED`` with ``error``."""
+        with self._lock:
+            if self._state in _ENDED:
+                return
+            self._error = error
+            self._finish = None
+            self._state = WorkState.FAILED
+            future = self._future
+        self._ended(future)
+
+    def received_from(self, source: int) -> None:
+        """A receive from any source learnt its sender (group rank ``source``)."""
+        self._source = source
+
+    def on_done(self, callback: Callable[[BaseException | None], None]) -> None:
+        """Call ``callback(error or None)`` once the work ends (at once if it has)."""
+        with self._lock:
+            if self._state not in _ENDED:
+                self._done_callbacks.append(callback)
+                return
+        callback(self._error)
+
+    def interrupt(self, error: BaseException) -> None:
+        """Fail a work whose program will never finish (the watchdog's ``raise`` policy): its
+        waiters (polling) raise ``error``."""
+        self._interrupted = error
+
+    def complete_if_finished(self) -> bool:
+        """Complete the work if its program has finished (never blocks); True once ended."""
+        if self._state not in _ENDED and self._finish is not None and self._outputs_ready():
+            self.complete(flush=False)
+        return self._state in _ENDED
+
+    # -- completion -------------------------------------------------------------------------
 
     def _outputs_ready(self) -> bool:
         """True once waiting would not block (the program ran, or its start failed)."""
-        dispatching = self._dispatching
-        if dispatching is None:
-            return all(a.is_ready() for a in self._pending)
-        if not dispatching.done():
-            return False
-        if dispatching.exception() is not None:
-            return True
-        return all(a.is_ready() for a in dispatching.result())
+        starting = self._starting
+        if starting is not None:
+            if not starting.done():
+                return False
+            if starting.exception() is not None:
+                return True
+            return all(a.is_ready() for a in starting.result())
+        if self._state is WorkState.PENDING:
+            return False  # nothing started yet (a queued point-to-point op)
+        return all(a.is_ready() for a in self._arrays)
+
+    def _await_start(self) -> None:
+        """Wait until an ``async_op`` program has been started; its blocks become pending."""
+        starting = self._starting
+        if starting is None:
+            return
+        outs = wait_interruptibly(self, starting) if self._poll else starting.result()
+        self._arrays = list(outs)
+        self._starting = None
 
     def _await_arrays(self) -> None:
-        self._await_dispatch()
+        self._await_start()
         if not self._poll:
-            for array in self._pending:
+            for array in self._arrays:
                 array.block_until_ready()
             return
         # Poll, so that the watchdog can fail a program that will never finish. The sleep
         # stays short: every microsecond slept after the data arrived is added to the call.
         delay = 5e-5
-        while not all(a.is_ready() for a in self._pending):
-            if self._failed_from_outside is not None:
-                raise self._failed_from_outside
+        while not all(a.is_ready() for a in self._arrays):
+            if self._interrupted is not None:
+                raise self._interrupted
             time.sleep(delay)
             delay = min(delay * 2, _MAX_POLL_SLEEP)
-        for array in self._pending:
+        for array in self._arrays:
             array.block_until_ready()  # raises the program's own error, if any
 
-    def _complete(self, *, flush: bool = True) -> None:
+    def complete(self, *, flush: bool = True) -> None:
         """Wait for the program and run the finish step once; ``flush=False`` skips
-        ``before_wait`` (dispatching queued point-to-point ops), for helper threads."""
-        if flush and self._before_wait is not None:
-            self._before_wait()
-        if self._complete_earlier is not None and not self._done:
+        ``before_wait`` (starting queued point-to-point ops), for helper threads."""
+        if flush and self._before_wait is not None and self._state not in _ENDED:
+            self._before_wait(True)
+        if self._complete_earlier is not None and self._state not in _ENDED:
             # Earlier works of the group first: when a collective is complete, so are the
             # outputs of every collective issued before it on the group (as on gloo).
             self._complete_earlier()
         with self._lock:
-            if self._done:
+            if self._state in _ENDED:
                 return
             try:
+                if self._finish is None:
+                    raise dist.DistBackendError(
+                        f"tpu_dist: {self._description} was never started (its program was "
+                        "not dispatched); this is a bug in tpu_dist."
+                    )
                 with torch.no_grad(), _runtime.x64_scope():
                     self._await_arrays()
-                    self._result = self._finish()
+                    self._result = self._finish(self._arrays)
             except dist.DistBackendError as err:
                 self._error = err
             except Exception as err:  # kept and raised on every wait()
@@ -164,22 +260,20 @@ class TPUWork(dist._Work):
                         f"tpu_dist: {self._description} failed: {err}"
                     )
                 self._error.__cause__ = err
-            self._pending = []
+            self._arrays = []
             _runtime.release_results()
-            self._dispatching = None
+            self._starting = None
             self._finish = None
-            self._done = True
+            self._state = WorkState.FAILED if self._error is not None else WorkState.DONE
             future = self._future
-        if self._on_done is not None:
-            self._on_done(self._error)
+        self._ended(future)
+
+    def _ended(self, future: torch.futures.Future | None) -> None:
+        callbacks, self._done_callbacks = self._done_callbacks, []
+        for callback in callbacks:
+            callback(self._error)
         if future is not None:
             self._settle(future)
-
-    def _complete_if_finished(self) -> bool:
-        """Complete the work if its program has finished (never blocks); True once done."""
-        if not self._done and self._finish is not None and self._outputs_ready():
-            self._complete(flush=False)
-        return self._done
 
     def _settle(self, future: torch.futures.Future) -> None:
         if self._error is not None:
@@ -187,24 +281,56 @@ class TPUWork(dist._Work):
         else:
             future.set_result(self._result)
 
+    def _await_until(self, deadline: float, timeout: float) -> None:
+        """Block until the outputs are ready, for at most until ``deadline``.
+
+        Raises:
+            RuntimeError: not ready by then (the work stays in flight).
+        """
+        if self._before_wait is not None:
+            self._before_wait(False)
+        delay = 5e-5
+        while self._state not in _ENDED and not self._outputs_ready():
+            if self._interrupted is not None:
+                return  # completing raises it
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"tpu_dist: {self._description}: Operation timed out! wait(timeout="
+                    f"{timeout:g} s) returned before the collective completed; it is still in "
+                    "flight (a later wait() completes it, as on gloo)."
+                )
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _MAX_TIMED_SLEEP)
+
+    # -- torch's Work API ---------------------------------------------------------------------
+
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the collective is done and the outputs are written.
 
+        Args:
+            timeout: Give up waiting after this long (zero or None: no limit), as c10d's
+                ``Work.wait``: the collective stays in flight.
+
         Raises:
+            RuntimeError: ``timeout`` passed first ("Operation timed out!").
             torch.distributed.DistBackendError: the collective failed.
         """
-        self._complete()
+        seconds = timeout.total_seconds() if timeout is not None else 0.0
+        if seconds > 0 and self._state not in _ENDED:
+            self._await_until(time.monotonic() + seconds, seconds)
+        self.complete()
         if self._error is not None:
             raise self._error
         return True
 
     def is_completed(self) -> bool:
         """True once the outputs are written (or the collective failed); never blocks."""
-        if not self._done:
+        if self._state not in _ENDED:
             if self._before_wait is not None:
-                self._before_wait()
-            self._complete_if_finished()
-        return self._done
+                self._before_wait(True)
+            self.complete_if_finished()
+        return self._state in _ENDED
 
     def _source_rank(self) -> int:
         """The group rank a receive from any source got its data from (as gloo's)."""
@@ -218,7 +344,7 @@ class TPUWork(dist._Work):
 
     def is_success(self) -> bool:
         """True if the collective completed without error."""
-        return self._done and self._error is None
+        return self._state is WorkState.DONE
 
     def exception(self) -> BaseException | None:
         """The error the collective failed with, if any."""
@@ -234,7 +360,7 @@ class TPUWork(dist._Work):
         with self._lock:
             if self._future is None:
                 self._future = torch.futures.Future()
-                if self._done:
+                if self._state in _ENDED:
                     self._settle(self._future)
                 else:
                     _completer.submit(self)
@@ -242,14 +368,14 @@ class TPUWork(dist._Work):
 
 
 def wait_interruptibly(work: TPUWork, future: concurrent.futures.Future) -> list:
-    """``future.result()``, giving up with the watchdog's error if it fails ``work``."""
+    """``future.result()``, giving up with the watchdog's error if it interrupts ``work``."""
     delay = 5e-5
     while True:
         try:
             return future.result(timeout=delay)
         except concurrent.futures.TimeoutError:
-            if work._failed_from_outside is not None:
-                raise work._failed_from_outside from None
+            if work._interrupted is not None:
+                raise work._interrupted from None
             delay = min(delay * 2, _MAX_POLL_SLEEP)
 
 
@@ -273,7 +399,7 @@ class _Completer:
     def _loop(self) -> None:
         while True:
             work = self._queue.get()
-            work._complete()
+            work.complete()
 
 
 _completer = _Completer()
