@@ -272,3 +272,76 @@ def test_after_a_timeout_every_rank_sees_the_group_failed(tmp_path) -> None:
     late_first, late_second = results[1]
     assert late_first.startswith("failed:") and "the group failed earlier" in late_first, results
     assert late_second.startswith("failed:"), results
+
+
+def _send_nobody_receives(rank: int, world_size: int) -> str:
+    """Rank 0 sends to rank 1, which stays away; a first exchange set the pair up."""
+    t = torch.arange(4.0)
+    if rank == 0:
+        dist.send(t, 1)
+    else:
+        dist.recv(t, 0)
+    if rank == 1:
+        time.sleep(12)
+        return "late rank slept"
+    try:
+        dist.send(t, 1)
+    except dist.DistBackendError as err:
+        return str(err)
+    return "no error"
+
+
+def test_p2p_is_watched_from_before_dispatch(tmp_path) -> None:
+    # The send blocks in its dispatch until the peer arrives (XLA:CPU runs it inline); it is
+    # under the watchdog from before that, as every collective, so it times out (a send
+    # tracked only after its dispatch returned would hang here until the harness kills it).
+    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
+    with World(2, backend="tpu", env=env, timeout=90,
+               init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
+        results = world.run(_send_nobody_receives)
+    message = results[0]
+    assert "timed out after 5 s" in message, message
+    assert "send" in message and "collective #2 of group 'p2p:0-1'" in message, message
+    assert "did not arrive: [1]" in message, message
+    record = (tmp_path / "tpu_dist_fr_rank0.json").read_text()
+    assert '"send"' in record and "p2p:0-1" in record
+
+
+def _p2p_to_a_dead_peer(rank: int, world_size: int) -> None:
+    """Rank 1 dies; rank 0's isend to it fails from its own work, not from the all_reduce of
+    group {0, 2} issued after it (which flushes the send out)."""
+    pair = dist.new_group([0, 2])
+    t = torch.ones(4)
+    if rank == 0:
+        dist.send(t, 1)
+    elif rank == 1:
+        dist.recv(t, 0)
+    dist.barrier()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 1:
+        return
+    time.sleep(1.0)  # rank 1 is gone
+    work = dist.isend(t, 1) if rank == 0 else None
+    total = torch.full((2,), float(rank))
+    dist.all_reduce(total, group=pair)  # rank 0's flushes the send
+    assert total.tolist() == [2.0, 2.0], total
+    if work is None:
+        raise RuntimeError("RESULT all_reduce ok")
+    try:
+        work.wait()
+    except dist.DistBackendError as err:
+        raise RuntimeError(f"RESULT all_reduce ok; isend.wait() raised: {err}") from None
+    raise RuntimeError("RESULT all_reduce ok; isend.wait() returned")
+
+
+def test_p2p_failure_surfaces_from_its_own_work() -> None:
+    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=20) as world:
+        with pytest.raises(WorldError) as caught:
+            world.run(_p2p_to_a_dead_peer)
+    err = caught.value
+    assert err.exitcodes.get(1) == -signal.SIGKILL, err
+    assert "RESULT all_reduce ok" in err.errors.get(2, ""), err
+    zero = err.errors.get(0, "")
+    assert "RESULT all_reduce ok; isend.wait() raised" in zero, err
+    assert "send (peer 1, tag 0)" in zero and "p2p:0-1" in zero, zero

@@ -16,7 +16,10 @@ on both ranks. Queued ops are dispatched when any of them is waited on or the
 next collective is issued, sorted by (rank pair, direction, tag). That makes
 ``batch_isend_irecv`` and ``isend``/``irecv`` exchanges deadlock-free in any
 issue order, like gloo; a blocking ``send`` must be matched by a ``recv`` on
-the peer at the same point of its sequence, like NCCL.
+the peer at the same point of its sequence, like NCCL. Each queued op is
+tracked (flight recorder, watchdog) just before it is dispatched, as every
+collective is, and an op whose program cannot start fails its own work: a
+collective that happened to flush the queue never raises a p2p op's error.
 """
 
 from __future__ import annotations
@@ -113,6 +116,8 @@ class _P2POp:
     """Global rank of the other end."""
     tag: int
     tensor: torch.Tensor
+    seq: int = 0
+    """Its number among the ops between its two ranks, set when it is dispatched."""
 
 
 @dataclass
@@ -126,7 +131,12 @@ class _P2PQueue:
         with self.lock:
             self.pending.append(op)
 
-    def flush(self) -> None:
+    def flush(self, block: bool = True) -> None:
+        """Dispatch every queued op, in the order every rank agrees on (module doc).
+
+        Never raises: an op whose program cannot be started fails its own work. With
+        ``block=False`` every program starts on the dispatcher thread (a ``wait(timeout)``).
+        """
         if not self.pending:  # every collective calls this; most find nothing queued
             return
         with self.lock:
@@ -140,7 +150,7 @@ class _P2PQueue:
             return (min(src, dst), max(src, dst), 0 if src < dst else 1, op.tag)
 
         for op in sorted(ops, key=order):
-            op.group._dispatch_p2p(op)
+            op.group._dispatch_p2p(op, block)
 
 
 _p2p_queue = _P2PQueue()
@@ -1130,44 +1140,69 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     ) -> TPUWork:
         tensor = self._check_p2p(op, tensors, peer, is_send=is_send)
         work = TPUWork(
-            f"{op} (peer {peer}, tag {tag})", before_wait=lambda block: _p2p_queue.flush()
+            f"{op} (peer {peer}, tag {tag})",
+            poll=self._poll,
+            explain=lambda err: self._explain_p2p(err, p2p_op),
+            before_wait=_p2p_queue.flush,
         )
-        _p2p_queue.add(
-            _P2POp(work, self, is_send, self._global_ranks[peer], int(tag), tensor)
-        )
+        p2p_op = _P2POp(work, self, is_send, self._global_ranks[peer], int(tag), tensor)
+        _p2p_queue.add(p2p_op)
         return work
 
-    def _dispatch_p2p(self, op: _P2POp) -> None:
-        """Run one queued point-to-point op as a two-device permute program."""
+    def _explain_p2p(self, err: BaseException, op: _P2POp) -> dist.DistBackendError:
+        me = _runtime.info().rank
+        low, high = sorted((me, op.peer))
+        return _watchdog.explain_failure(
+            err, op.work.description, f"p2p:{low}-{high}", op.seq, [low, high], me
+        )
+
+    def _dispatch_p2p(self, op: _P2POp, block: bool) -> None:
+        """Track, then start one queued point-to-point op as a two-device permute program.
+
+        Tracked before it is dispatched, as every collective is: the first call of a program
+        sets up XLA's communicators inside dispatch and blocks there until the peer arrives.
+        A program that cannot be started fails ``op.work``, never the caller (which may be
+        an unrelated collective flushing the queue).
+        """
         me = _runtime.info().rank
         src, dst = (me, op.peer) if op.is_send else (op.peer, me)
         devices = _runtime.global_devices()
         low, high = sorted((src, dst))
-        pair = ((0, 1),) if src == low else ((1, 0),)
         tensor = op.tensor
         words = _words(tensor)
         if words.numel() == 0:
             op.work.start((), lambda outs: [tensor])
             return
-        array = _runtime.to_jax(words)
+        pair = f"p2p:{low}-{high}"
+        op.seq = _p2p_seq[pair] = _p2p_seq.get(pair, 0) + 1
+        meta = ((words.numel(), _DTYPE_NAMES[words.dtype]),)
         key = ProgramKey(
             "permute",
             (devices[low].id, devices[high].id),
-            ((array.shape[0], array.dtype.name),),
-            pair,
+            meta,
+            ((0, 1),) if src == low else ((1, 0),),
         )
-        outs = _dispatcher.run_in_order(key, [devices[low], devices[high]], [array])
 
         def complete(outs: list) -> list[torch.Tensor]:
             if not op.is_send:
                 _write(tensor, _runtime.to_torch(outs[0]))
             return [tensor]
 
-        pair = f"p2p:{low}-{high}"
-        seq = _p2p_seq[pair] = _p2p_seq.get(pair, 0) + 1
-        op.work.start(outs, complete)
-        _track(op.work, pair, [low, high], seq, "send" if op.is_send else "recv",
-               ((array.shape[0], array.dtype.name),), (f"tag={op.tag}",), self._timeout)
+        try:
+            _track(op.work, pair, [low, high], op.seq, "send" if op.is_send else "recv",
+                   meta, (f"tag={op.tag}",), self._timeout)
+            array = _runtime.to_jax(words)
+            pair_devices = [devices[low], devices[high]]
+            if block and not self._poll:
+                op.work.start(_dispatcher.run_in_order(key, pair_devices, [array]), complete)
+            else:
+                op.work.start_later(_dispatcher.submit(key, pair_devices, [array]), complete)
+        except dist.DistBackendError as err:
+            op.work.fail(err)
+        except Exception as err:
+            error = self._explain_p2p(err, op)
+            error.__cause__ = err
+            op.work.fail(error)
 
     # -- barrier ---------------------------------------------------------------------------
 
