@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_dist.collectives import _runtime
+from tpu_dist.collectives import _jaxlib, _runtime
 
 AXIS = "x"
 """The name of the single mesh axis every program runs over."""
@@ -117,16 +117,10 @@ def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
     (``make_array_from_single_device_arrays``) and taking the block back out of each result
     (``addressable_data``) cost ~120 us of a ~450 us small all_reduce on CPU (benchmarks/,
     E14). The executable itself takes and returns the local single-device arrays. It is
-    reached through JAX internals (``_executable.xla_executable``), so anything unexpected
+    reached through JAX internals (:func:`._jaxlib.loaded_execute`), so anything unexpected
     falls back to the public call.
     """
-    try:
-        executable = compiled._executable.xla_executable
-        if len(executable.local_devices()) != 1:
-            return None
-        return executable.execute
-    except AttributeError:
-        return None
+    return _jaxlib.loaded_execute(compiled)
 
 
 DIRECT_EXCHANGE_MAX_BYTES = 256 * 1024
@@ -447,7 +441,8 @@ def run(
         # x64 scope either (~1-2 us a call saved).
         try:
             return found.execute(list(local_blocks))
-        except TypeError:  # jaxlib changed the private call: the public one from now on
+        except TypeError as err:  # jaxlib changed the private call: the public one from now on
+            _jaxlib.execute_failed(err)
             found = _programs[key] = _Program(found.compiled, None)
     with _runtime.x64_scope():
         _, sharding = mesh_for(devices)

@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist import _settings
+from tpu_dist.collectives import _jaxlib
 
 logger = logging.getLogger(__name__)
 
@@ -324,31 +325,9 @@ def local_device() -> jax.Device:
     return _devices[_info.rank]
 
 
-try:
-    # jaxlib's direct DLPack import: the same zero-copy buffer as jax.dlpack.from_dlpack,
-    # without its re-wrapping and dtype canonicalisation (~15 us instead of ~110 us a call,
-    # measured in benchmarks/README.md E6). Private, so the public call is the fallback.
-    from jax._src.lib import _jax as _jaxlib
-
-    _import_dlpack = _jaxlib.dlpack_managed_tensor_to_buffer
-    _export_dlpack = _jaxlib.buffer_to_dlpack_managed_tensor
-except (ImportError, AttributeError):  # pragma: no cover - another jaxlib
-    _import_dlpack = _export_dlpack = None
-
-try:
-    # A result block handed to torch through DLPack is released by the tensor's deleter, which
-    # jaxlib defers to a queue it drains only in Python's garbage collection (a gc callback,
-    # jax issue 14882): until the next collection every result block stays allocated, so two
-    # 1.5 GiB all_reduces held 4.9 GiB. Draining the queue after each call frees it at once.
-    _collect_deferred = _jaxlib.collect_garbage
-except (NameError, AttributeError):  # pragma: no cover - another jaxlib
-    _collect_deferred = None
-
-
 def release_results() -> None:
-    """Free result blocks whose tensors are gone (jaxlib defers that; see above)."""
-    if _collect_deferred is not None:
-        _collect_deferred()
+    """Free result blocks whose tensors are gone (jaxlib defers that; see _jaxlib)."""
+    _jaxlib.collect_garbage()
 
 
 def to_jax(flat: torch.Tensor) -> jax.Array:
@@ -357,19 +336,12 @@ def to_jax(flat: torch.Tensor) -> jax.Array:
     Zero-copy on the CPU platform (DLPack; XLA copies storage that is not
     64-byte aligned). On TPU/GPU the data is copied to the device.
     """
-    global _import_dlpack
     if flat.requires_grad:  # a Parameter or a loss: DLPack refuses them, the data is the same
         flat = flat.detach()
     if _info is not None and _info.platform != "cpu":
         with x64_scope():
             return jax.device_put(_as_numpy(flat), local_device())
-    if _import_dlpack is not None:
-        try:
-            return _import_dlpack(flat.__dlpack__(), local_device(), None)
-        except TypeError:  # the private signature changed: use the public call from now on
-            _import_dlpack = None
-    with x64_scope():
-        return jax.dlpack.from_dlpack(flat)
+    return _jaxlib.dlpack_import(flat, local_device())
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
@@ -379,15 +351,7 @@ def to_torch(array: jax.Array) -> torch.Tensor:
         if host.dtype == jnp.bfloat16:
             return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
         return torch.from_numpy(host.copy())
-    global _export_dlpack
-    if _export_dlpack is not None:
-        # The block is a single-device array already: export its buffer directly instead of
-        # through jax.Array.__dlpack__'s checks (~30 us a call).
-        try:
-            return torch.utils.dlpack.from_dlpack(_export_dlpack(array, stream=None))
-        except TypeError:  # the private signature changed: use the public call from now on
-            _export_dlpack = None
-    return torch.from_dlpack(array)
+    return _jaxlib.dlpack_export(array)
 
 
 def _as_numpy(flat: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,141 @@
+"""Every private JAX/jaxlib call tpu_dist makes, each beside its public fallback.
+
+The private calls save time on the hot path of every collective (measured in
+benchmarks/README.md): jaxlib's direct DLPack import and export (E6), the loaded executable's own
+``execute`` on single-device blocks (E14), and draining jaxlib's queue of deferred buffer frees
+(result blocks otherwise stay allocated until Python's next garbage collection). None of them is
+a stable API, so each is reached here only, and when one is missing or its signature changed
+the public call is used instead and a warning says so, once per call per process:
+
+========================  =============================================  ========================
+what                      private                                        public fallback
+========================  =============================================  ========================
+DLPack import             ``_jax.dlpack_managed_tensor_to_buffer``       ``jax.dlpack.from_dlpack``
+DLPack export             ``_jax.buffer_to_dlpack_managed_tensor``       ``torch.from_dlpack``
+start a program           ``Compiled._executable.xla_executable          ``Compiled.__call__`` on
+                          .execute``                                     global arrays
+free deferred results     ``_jax.collect_garbage``                       Python's garbage collector
+========================  =============================================  ========================
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import jax
+import torch
+
+logger = logging.getLogger(__name__)
+
+try:
+    from jax._src.lib import _jax as _lib
+except ImportError:  # pragma: no cover - another jaxlib
+    _lib = None
+
+_dlpack_import = getattr(_lib, "dlpack_managed_tensor_to_buffer", None)
+_dlpack_export = getattr(_lib, "buffer_to_dlpack_managed_tensor", None)
+_collect_garbage = getattr(_lib, "collect_garbage", None)
+_execute_usable = True
+
+_FALLBACKS = {
+    "dlpack_import": "jaxlib's dlpack_managed_tensor_to_buffer -> jax.dlpack.from_dlpack "
+    "(~100 us more per tensor handed to JAX)",
+    "dlpack_export": "jaxlib's buffer_to_dlpack_managed_tensor -> torch.from_dlpack "
+    "(~30 us more per result block)",
+    "execute": "the loaded executable's execute -> Compiled.__call__ on global arrays "
+    "(~120 us more per collective)",
+    "collect_garbage": "jaxlib's collect_garbage -> Python's garbage collector (result blocks "
+    "are freed at the next collection, not after each call)",
+}
+"""Name of each private call -> what replaces it and what that costs."""
+
+_logged: set[str] = set()
+_log_lock = threading.Lock()
+
+
+def fell_back(name: str, reason: object = None) -> None:
+    """Log, once per process, that private call ``name`` is replaced by its public fallback."""
+    if name in _logged:
+        return
+    with _log_lock:
+        if name in _logged:
+            return
+        _logged.add(name)
+    why = f" ({reason})" if reason is not None else " (not in this jaxlib)"
+    logger.warning("tpu_dist: using a public fallback%s: %s.", why, _FALLBACKS[name])
+
+
+def dlpack_import(flat: torch.Tensor, device: jax.Device) -> jax.Array:
+    """A 1-D CPU tensor as a JAX array on ``device``, zero-copy (DLPack)."""
+    global _dlpack_import
+    private = _dlpack_import
+    if private is not None:
+        try:
+            return private(flat.__dlpack__(), device, None)
+        except TypeError as err:  # the private signature changed: the public call from now on
+            _dlpack_import = None
+            fell_back("dlpack_import", err)
+    else:
+        fell_back("dlpack_import")
+    with jax.enable_x64(True):
+        return jax.dlpack.from_dlpack(flat)
+
+
+def dlpack_export(array: jax.Array) -> torch.Tensor:
+    """A single-device JAX array as a CPU tensor, zero-copy (DLPack)."""
+    global _dlpack_export
+    private = _dlpack_export
+    if private is not None:
+        # Export the buffer directly instead of through jax.Array.__dlpack__'s checks.
+        try:
+            return torch.utils.dlpack.from_dlpack(private(array, stream=None))
+        except TypeError as err:
+            _dlpack_export = None
+            fell_back("dlpack_export", err)
+    else:
+        fell_back("dlpack_export")
+    return torch.from_dlpack(array)
+
+
+def collect_garbage() -> None:
+    """Free result blocks whose tensors are gone.
+
+    A block handed to torch through DLPack is released by the tensor's deleter, which jaxlib
+    defers to a queue it drains only in Python's garbage collection (a gc callback, jax issue
+    14882): until the next collection every result block stays allocated, so two 1.5 GiB
+    all_reduces held 4.9 GiB. Draining the queue after each call frees it at once.
+    """
+    private = _collect_garbage
+    if private is not None:
+        private()
+    else:
+        fell_back("collect_garbage")
+
+
+def loaded_execute(compiled: jax.stages.Compiled) -> Callable[[list], list] | None:
+    """``compiled``'s loaded executable's ``execute`` on this process's single-device blocks.
+
+    None when the program has more than one device in this process (the public call is the
+    way then), or when the private call is not there (logged once: :func:`fell_back`). After
+    :func:`execute_failed`, always None.
+    """
+    if not _execute_usable:
+        return None
+    try:
+        executable = compiled._executable.xla_executable
+        devices = executable.local_devices()
+        execute = executable.execute
+    except AttributeError as err:
+        fell_back("execute", err)
+        return None
+    return execute if len(devices) == 1 else None
+
+
+def execute_failed(err: BaseException) -> None:
+    """A call of :func:`loaded_execute`'s result raised ``TypeError``: the public call from now
+    on (logged once)."""
+    global _execute_usable
+    _execute_usable = False
+    fell_back("execute", err)
