@@ -11,8 +11,9 @@ process, the workers print a time stamp at each stage):
 
 * ``fault``: rank 1 of attempt 0 calls ``sys.exit(1)`` (rank 0 waits in a barrier).
 * ``exit-handlers``: its last exit handler ran (the runtime's and JAX's exit work is done).
-* ``agent-noticed``: elastic's monitor loop saw the failed worker.
-* ``stopped``: the agent's stop of the other workers returned (SIGTERM, wait, SIGKILL).
+* ``stopped``: elastic's monitor loop (every 0.1 s) saw the failed worker and stopped the
+  others (SIGTERM, wait for them to exit, SIGKILL after the shutdown timeout), all inside the
+  same poll.
 * ``rendezvous``: the agent's re-rendezvous returned.
 * ``spawned``: the agent started attempt 1's processes.
 * ``proc-start``: the (later) attempt-1 worker process started (``/proc``, 10 ms resolution).
@@ -124,9 +125,8 @@ def launcher(args: list[str]) -> None:
 
         setattr(agent, method, wrapped)
 
-    wrap("_monitor_workers", "agent-noticed",
+    wrap("_monitor_workers", "stopped",
          lambda r: r.state in (WorkerState.FAILED, WorkerState.UNHEALTHY))
-    wrap("_stop_workers", "stopped")
     wrap("_rendezvous", "rendezvous")
     wrap("_start_workers", "spawned")
     from tpu_dist.launch import main
@@ -137,7 +137,7 @@ def launcher(args: list[str]) -> None:
 
 # -- driver --------------------------------------------------------------------------------------
 
-STAGES = ("fault", "exit-handlers", "agent-noticed", "stopped", "rendezvous", "spawned",
+STAGES = ("fault", "exit-handlers", "stopped", "rendezvous", "spawned",
           "proc-start", "script", "imports", "init", "resumed")
 
 
@@ -181,7 +181,7 @@ def one(backend: str) -> dict[str, float] | None:
 def main() -> None:
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     print("seconds since the fault at the end of each stage (2 workers, --max-restarts 1)")
-    print(f"{'':10s}" + "".join(f"{s:>14s}" for s in STAGES))
+    print(f"{'':6s}" + "".join(f"{s:>14s}" for s in STAGES))
     results: dict[str, list[dict[str, float]]] = {"gloo": [], "tpu": []}
     for _ in range(runs):
         for backend in ("gloo", "tpu"):  # interleaved: both see the same machine load
@@ -189,7 +189,7 @@ def main() -> None:
             if r is not None:
                 results[backend].append(r)
             row = "".join(f"{r[s]:14.2f}" if r and s in r else f"{'-':>14s}" for s in STAGES)
-            print(f"{backend:10s}{row}", flush=True)
+            print(f"{backend:6s}{row}", flush=True)
     for backend, rs in results.items():
         if rs:
             med = sorted(r["resumed"] for r in rs)[len(rs) // 2]

@@ -211,3 +211,15 @@ def test_root_cause_orders_failures_of_the_same_second_by_exit_time(
         failures[rank].timestamp = 1000
     report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
     assert report[0] == "tpu-launch: worker failed: node 0: rank 1 (local rank 1, pid 101) exited with code 7"
+    # Rank 2, aborted the same second (no exit time: killed by a signal, as JAX ends the
+    # others when rank 0's coordinator goes), comes after them; a second earlier it is first.
+    import signal as sig
+
+    failures[2] = ProcessFailure(local_rank=2, pid=102, exitcode=-sig.SIGABRT,
+                                 error_file=str(tmp_path / "none.json"))
+    failures[2].timestamp = 1000
+    report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
+    assert "rank 1 (local rank 1, pid 101) exited with code 7" in report[0]
+    failures[2].timestamp = 999
+    report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
+    assert "rank 2 (local rank 2, pid 102) was killed by SIGABRT" in report[0]

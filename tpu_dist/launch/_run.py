@@ -215,17 +215,21 @@ def _how(failure: Any) -> str:
     return f"exited with code {failure.exitcode}"
 
 
-def _exit_time(failure: Any) -> float:
-    """When the worker's program ended: the time tpu-launch's worker entry noted (in the
-    folder :data:`._worker.EXIT_TIME_DIR_VAR`), else elastic's timestamp (whole seconds)."""
+def _exit_time(failure: Any) -> tuple[int, float]:
+    """When the worker's program ended, as (whole second, exact time): the time tpu-launch's
+    worker entry noted (in the folder :data:`._worker.EXIT_TIME_DIR_VAR`), else elastic's
+    timestamp (whole seconds) with no exact time (sorted last within its second: a worker
+    killed by a signal the same second another failed by itself is more often a consequence,
+    e.g. JAX ending the processes whose coordinator, rank 0, left)."""
     folder = os.environ.get(_worker.EXIT_TIME_DIR_VAR)
     if folder:
         try:
             with open(os.path.join(folder, str(failure.pid))) as f:
-                return float(f.read())
+                exact = float(f.read())
+            return int(exact), exact
         except (OSError, ValueError):
             pass
-    return float(failure.timestamp)
+    return int(failure.timestamp), float("inf")
 
 
 def _root_cause(err: Any) -> tuple[int, Any]:
