@@ -181,7 +181,7 @@ def test_a_failing_worker_leaves_fast_but_keeps_what_exit_does(tmp_path: Path) -
             f.unlink(missing_ok=True)
         rc, _, err = run_launcher(["--nproc-per-node", "1", str(script), *map(str, files)])
         assert rc == 1, err
-        assert f"rank 0 (local rank 0" in err and f"exited with code {code}" in err, err
+        assert "rank 0 (local rank 0" in err and f"exited with code {code}" in err, err
         if message:
             assert message in err, err
         assert files[0].read_text() == "written before the failure\n"
