@@ -10,7 +10,8 @@ Modes (one per behaviour under test):
   ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
 * ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
   ``--fail-rank`` (with ``--after-init``: after initialising the group and all-reducing) writes
-  the marker and exits 1; later attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
+  the marker and exits 1 (without ``--after-init`` the other ranks sleep ``--sleep`` s meanwhile,
+  outside any collective); later attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
 * ``steps``: a training loop that checkpoints: state ``x`` (4 floats, from ``[1, 2, 3, 4]``);
   step ``s`` all-reduces ``x * (rank + 1) + s`` and divides by the world size; rank 0 saves
   ``(step, x)`` to ``--marker`` after every step. In attempt 0, rank ``--fail-rank`` exits 1
@@ -226,6 +227,12 @@ def main() -> None:
                 f.write("failed once\n")
             print(f"rank {rank}: failing on purpose (attempt 0) t={time.time():.2f}", flush=True)
             sys.exit(1)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and not args.after_init:
+            # Plain case: the peers of attempt 0 work outside any collective until the launcher
+            # stops them. Had they initialised gloo, attempt 1 could connect to their dead
+            # addresses: torch's gloo keys in elastic's store are not per attempt (seen once
+            # in CI under load: connectFullMesh "Connection refused" in attempt 1).
+            time.sleep(args.sleep)
         if rank == 0 and os.path.exists(args.marker):
             time.sleep(args.delay)  # a slow-to-start rank 0: its peers look for it first
         _allreduce(args.backend)

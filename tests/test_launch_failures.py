@@ -189,6 +189,16 @@ def test_a_failing_worker_leaves_fast_but_keeps_what_exit_does(tmp_path: Path) -
         assert files[2].read_text() == "thread finished\n"
 
 
+def test_a_failing_worker_that_imported_torch_prints_only_its_own_error(tmp_path: Path) -> None:
+    """The fast exit's flush looks at every object of the process; objects that warn when
+    looked at (torch.distributed's deprecated ``reduce_op``) must not add lines to stderr."""
+    script = tmp_path / "failing.py"
+    script.write_text("import torch.distributed\nraise SystemExit(3)\n")
+    rc, _, err = run_launcher(["--nproc-per-node", "1", str(script)])
+    assert rc == 1 and "exited with code 3" in err, err
+    assert "Warning" not in err, err
+
+
 def test_root_cause_orders_failures_of_the_same_second_by_exit_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

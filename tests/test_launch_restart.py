@@ -37,7 +37,7 @@ def test_max_restarts_resumes_a_job_that_failed_once(
             # On "tpu", attempt 0 initialises the group before rank 1 fails, and rank 0 of
             # attempt 1 starts 2 s late. gloo (torch's own keys are not per attempt either)
             # then fails its restart too (connectFullMesh: Connection refused), so gloo runs
-            # the plain case.
+            # the plain case: attempt 0's peers never reach init_process_group.
             *(["--after-init", "--delay", "2"] if backend == "tpu" else []),
             "--backend",
             backend,
