@@ -10,7 +10,13 @@ Modes (one per behaviour under test):
   ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
 * ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
   ``--fail-rank`` (with ``--after-init``: after initialising the group and all-reducing) writes
-  the marker and exits 1; later attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
+  the marker and exits 1 (without ``--after-init`` the other ranks sleep ``--sleep`` s meanwhile,
+  outside any collective); later attempts run ``allreduce`` (rank 0 after ``--delay`` seconds).
+* ``steps``: a training loop that checkpoints: state ``x`` (4 floats, from ``[1, 2, 3, 4]``);
+  step ``s`` all-reduces ``x * (rank + 1) + s`` and divides by the world size; rank 0 saves
+  ``(step, x)`` to ``--marker`` after every step. In attempt 0, rank ``--fail-rank`` exits 1
+  after step ``--fail-step``; every attempt resumes from the checkpoint and prints
+  ``STEPS rank=R attempt=A from=S x=[...]`` after ``--steps`` steps.
 * ``env``: print ``ENV {json}`` of the launcher-given variables (no torch import: cheap).
 * ``sleep``: write the pid to ``--pid-dir`` and sleep (for signal tests).
 
@@ -144,12 +150,39 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
             dist.all_reduce(t)
 
 
+def _steps(args: argparse.Namespace, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if args.backend == "tpu":
+        import tpu_dist  # noqa: F401
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    start, x = 0, torch.tensor([1.0, 2.0, 3.0, 4.0])
+    if os.path.exists(args.marker):  # read before the first collective: rank 0 writes after it
+        saved = torch.load(args.marker)
+        start, x = saved["step"], saved["x"]
+    dist.init_process_group(args.backend)
+    world = dist.get_world_size()
+    for step in range(start, args.steps):
+        y = x * (rank + 1) + step
+        dist.all_reduce(y)
+        x = y / world
+        if rank == 0:
+            torch.save({"step": step + 1, "x": x}, args.marker + ".tmp")
+            os.replace(args.marker + ".tmp", args.marker)
+        if attempt == 0 and rank == args.fail_rank and step + 1 == args.fail_step:
+            print(f"rank {rank}: failing on purpose after step {step + 1}", flush=True)
+            sys.exit(1)
+    print(f"STEPS rank={rank} attempt={attempt} from={start} x={x.tolist()}", flush=True)
+    dist.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
         "mode",
         choices=["allreduce", "env", "fail", "fail-once", "sleep",
-                 "exit-early", "late-finish", "timeout-exit", "loop", "stall"],
+                 "exit-early", "late-finish", "timeout-exit", "loop", "stall", "steps"],
     )
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--after-init", action="store_true")
@@ -161,6 +194,8 @@ def main() -> None:
     parser.add_argument("--pid-dir")
     parser.add_argument("--marker")
     parser.add_argument("--sleep", type=float, default=120.0)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--fail-step", type=int, default=3)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
 
@@ -192,11 +227,19 @@ def main() -> None:
                 f.write("failed once\n")
             print(f"rank {rank}: failing on purpose (attempt 0) t={time.time():.2f}", flush=True)
             sys.exit(1)
+        if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and not args.after_init:
+            # Plain case: the peers of attempt 0 work outside any collective until the launcher
+            # stops them. Had they initialised gloo, attempt 1 could connect to their dead
+            # addresses: torch's gloo keys in elastic's store are not per attempt (seen once
+            # in CI under load: connectFullMesh "Connection refused" in attempt 1).
+            time.sleep(args.sleep)
         if rank == 0 and os.path.exists(args.marker):
             time.sleep(args.delay)  # a slow-to-start rank 0: its peers look for it first
         _allreduce(args.backend)
         print(f"RESUMED rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} "
               f"t={time.time():.2f}", flush=True)
+    elif args.mode == "steps":
+        _steps(args, rank)
     elif args.mode == "sleep":
         _write_pid(args.pid_dir)
         print(f"SLEEPING rank={rank}", flush=True)

@@ -13,6 +13,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+import pytest
+
 from tests.launch_worker import WORKER, finish, pid_alive, run_launcher, start_launcher
 
 
@@ -148,3 +150,86 @@ def test_failure_report_is_short_for_many_ranks(tmp_path: Path) -> None:
     assert report[2] == "  (no Python traceback: it was killed by a signal; its last [rank10]: lines above say more)"
     assert report[3] == "Other ranks: ranks 0-9, 11-15: killed by SIGTERM (stopped by the launcher)"
     assert len(report) == 5, report
+
+
+_FAILING_SCRIPT = """
+import atexit, sys, threading, time
+out = open(sys.argv[1], "w")          # never closed: the worker entry must flush it
+out.write("written before the failure\\n")
+atexit.register(lambda: open(sys.argv[2], "w").write("atexit ran\\n"))
+def late():
+    time.sleep(1.0)
+    open(sys.argv[3], "w").write("thread finished\\n")
+threading.Thread(target=late).start()  # not a daemon: Python waits for it at exit
+{how}
+"""
+
+
+def test_a_failing_worker_leaves_fast_but_keeps_what_exit_does(tmp_path: Path) -> None:
+    """A failing worker skips the interpreter's teardown (tpu-launch's worker entry), yet its
+    exit code, sys.exit's message, atexit handlers, non-daemon threads, the flush of an
+    unclosed file and the root cause the launcher names stay what a plain exit gives."""
+    for how, code, message in (
+        ("sys.exit(5)", 5, None),
+        ("sys.exit('bad input: 42')", 1, "bad input: 42"),
+        ("raise ValueError('boom')", 1, "ValueError: boom"),
+    ):
+        script = tmp_path / "failing.py"
+        script.write_text(_FAILING_SCRIPT.format(how=how))
+        files = [tmp_path / n for n in ("data.txt", "atexit.txt", "thread.txt")]
+        for f in files:
+            f.unlink(missing_ok=True)
+        rc, _, err = run_launcher(["--nproc-per-node", "1", str(script), *map(str, files)])
+        assert rc == 1, err
+        assert "rank 0 (local rank 0" in err and f"exited with code {code}" in err, err
+        if message:
+            assert message in err, err
+        assert files[0].read_text() == "written before the failure\n"
+        assert files[1].read_text() == "atexit ran\n"
+        assert files[2].read_text() == "thread finished\n"
+
+
+def test_a_failing_worker_that_imported_torch_prints_only_its_own_error(tmp_path: Path) -> None:
+    """The fast exit's flush looks at every object of the process; objects that warn when
+    looked at (torch.distributed's deprecated ``reduce_op``) must not add lines to stderr."""
+    script = tmp_path / "failing.py"
+    script.write_text("import torch.distributed\nraise SystemExit(3)\n")
+    rc, _, err = run_launcher(["--nproc-per-node", "1", str(script)])
+    assert rc == 1 and "exited with code 3" in err, err
+    assert "Warning" not in err, err
+
+
+def test_root_cause_orders_failures_of_the_same_second_by_exit_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 exits 7; rank 0's collective fails 20 ms later because of it. elastic gives
+    both the same whole-second timestamp; the worker entry's exit times decide."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from tpu_dist.launch import parse_args, resolve
+    from tpu_dist.launch._discovery import Discovery
+    from tpu_dist.launch._run import format_failure
+    from tpu_dist.launch._worker import EXIT_TIME_DIR_VAR
+
+    spec = resolve(parse_args(["--nproc-per-node", "2", "train.py"], {}), Discovery(on_tpu=False), {})
+    monkeypatch.setenv(EXIT_TIME_DIR_VAR, str(tmp_path))  # as the launcher sets it
+    failures = {}
+    for rank, code, ended in ((0, 1, 1000.52), (1, 7, 1000.50)):
+        (tmp_path / str(100 + rank)).write_text(f"{ended:.6f}\n")  # written by pid 100 + rank
+        failures[rank] = ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                                        error_file=str(tmp_path / "none.json"))
+        failures[rank].timestamp = 1000
+    report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
+    assert report[0] == "tpu-launch: worker failed: node 0: rank 1 (local rank 1, pid 101) exited with code 7"
+    # Rank 2, aborted the same second (no exit time: killed by a signal, as JAX ends the
+    # others when rank 0's coordinator goes), comes after them; a second earlier it is first.
+    import signal as sig
+
+    failures[2] = ProcessFailure(local_rank=2, pid=102, exitcode=-sig.SIGABRT,
+                                 error_file=str(tmp_path / "none.json"))
+    failures[2].timestamp = 1000
+    report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
+    assert "rank 1 (local rank 1, pid 101) exited with code 7" in report[0]
+    failures[2].timestamp = 999
+    report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
+    assert "rank 2 (local rank 2, pid 102) was killed by SIGABRT" in report[0]

@@ -9,6 +9,7 @@ address first), so it runs three times.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -36,7 +37,7 @@ def test_max_restarts_resumes_a_job_that_failed_once(
             # On "tpu", attempt 0 initialises the group before rank 1 fails, and rank 0 of
             # attempt 1 starts 2 s late. gloo (torch's own keys are not per attempt either)
             # then fails its restart too (connectFullMesh: Connection refused), so gloo runs
-            # the plain case.
+            # the plain case: attempt 0's peers never reach init_process_group.
             *(["--after-init", "--delay", "2"] if backend == "tpu" else []),
             "--backend",
             backend,
@@ -47,6 +48,34 @@ def test_max_restarts_resumes_a_job_that_failed_once(
     assert "[rank1]:rank 1: failing on purpose (attempt 0)" in out
     for rank in (0, 1):
         assert f"[rank{rank}]:RESUMED rank={rank} restart=1" in out
+
+
+def test_restarted_job_resumes_from_its_checkpoint_with_the_right_result(tmp_path: Path) -> None:
+    """Rank 1 fails after step 3 of 6 (the group working, rank 0 in the next all_reduce); the
+    restarted job loads rank 0's checkpoint and finishes. Its state must equal an uninterrupted
+    run's, computed here with numpy (float32, the same operations). "tpu" only: gloo cannot
+    restart once its group worked (attempt 1 reads attempt 0's gloo addresses from elastic's
+    store: ``connectFullMesh ... Connection refused``, the test fails at its time limit)."""
+    backend = "tpu"
+    import numpy as np
+
+    ckpt = tmp_path / "ckpt.pt"
+    code, out, err = run_launcher(
+        ["--nproc-per-node", "2", "--max-restarts", "1", WORKER, "steps", "--steps", "6",
+         "--fail-step", "3", "--marker", str(ckpt), "--backend", backend]
+    )
+    assert code == 0, err
+    assert "[rank1]:rank 1: failing on purpose after step 3" in out
+    x = np.array([1, 2, 3, 4], dtype=np.float32)
+    for step in range(6):
+        x = sum(x * np.float32(r + 1) + np.float32(step) for r in range(2)) / np.float32(2)
+    for rank in (0, 1):
+        line = next(l for l in out.splitlines() if l.startswith(f"[rank{rank}]:STEPS"))
+        attempt = int(line.split("attempt=")[1].split()[0])
+        start = int(line.split("from=")[1].split()[0])
+        got = np.array(json.loads(line.split("x=")[1]), dtype=np.float32)
+        assert attempt == 1 and 1 <= start <= 3, line  # it resumed, not started over
+        np.testing.assert_allclose(got, x, rtol=1e-6)
 
 
 def test_one_hosts_failure_stops_the_other_host(tmp_path: Path) -> None:

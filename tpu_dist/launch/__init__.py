@@ -160,6 +160,11 @@ Failure modes
   exceptions itself, no ``@record`` needed), one line for the other ranks, and where the error
   file is (``--verbose`` adds torchrun's full table). It then tells the other hosts' launchers
   through the rendezvous store (they stop their workers within about a second), and exits 1.
+  A failing worker (uncaught exception, non-zero ``sys.exit``) runs its ``atexit`` handlers,
+  joins its non-daemon threads and flushes its open files, then ends without the interpreter's
+  teardown (1-2 s for a process that imported torch, on a loaded host), so the job stops or
+  restarts that much sooner; of several workers that failed in the same second, the one that
+  ended first is the root cause.
 * **SIGINT/SIGTERM to the launcher**: every worker is stopped; exit code 128 + signal.
 * **The launcher itself is killed (SIGKILL)**: the kernel kills its workers
   (``PR_SET_PDEATHSIG``), so nothing is left behind.

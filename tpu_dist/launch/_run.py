@@ -19,9 +19,11 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -186,6 +188,7 @@ def _export(worker_env: WorkerEnv, verbose: bool) -> None:
     if any(worker_env.per_rank):
         os.environ[_worker.WORKER_ENV_VAR] = json.dumps([dict(r) for r in worker_env.per_rank])
     os.environ[_worker.LAUNCHER_PID_VAR] = str(os.getpid())
+    os.environ[_worker.EXIT_TIME_DIR_VAR] = tempfile.mkdtemp(prefix="tpu_dist_exits_")
     if not verbose:
         os.environ[_worker.QUIET_GLOO_VAR] = "1"
 
@@ -214,17 +217,36 @@ def _how(failure: Any) -> str:
     return f"exited with code {failure.exitcode}"
 
 
+def _exit_time(failure: Any) -> tuple[int, float]:
+    """When the worker's program ended, as (whole second, exact time): the time tpu-launch's
+    worker entry noted (in the folder :data:`._worker.EXIT_TIME_DIR_VAR`), else elastic's
+    timestamp (whole seconds) with no exact time (sorted last within its second: a worker
+    killed by a signal the same second another failed by itself is more often a consequence,
+    e.g. JAX ending the processes whose coordinator, rank 0, left)."""
+    folder = os.environ.get(_worker.EXIT_TIME_DIR_VAR)
+    if folder:
+        try:
+            with open(os.path.join(folder, str(failure.pid))) as f:
+                exact = float(f.read())
+            return int(exact), exact
+        except (OSError, ValueError):
+            pass
+    return int(failure.timestamp), float("inf")
+
+
 def _root_cause(err: Any) -> tuple[int, Any]:
     """The failure that started it: a worker that ended by itself, not one the agent stopped.
 
     elastic orders failures by time, and a worker stopped by the agent (SIGTERM, SIGKILL)
     often wrote its error file (a collective failing because the first worker left) before
     the first worker's exit was observed: prefer the earliest worker that exited on its own
-    (any exit code, or a signal the agent does not send, such as SIGABRT or SIGSEGV).
+    (any exit code, or a signal the agent does not send, such as SIGABRT or SIGSEGV). Two
+    workers that failed within the same second (the second one's collective failed because the
+    first left) are ordered by the exit times the worker entry noted.
     """
     stopped = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
     own = [
-        (failure.timestamp, rank, failure)
+        (_exit_time(failure), rank, failure)
         for rank, failure in err.failures.items()
         if failure.exitcode is not None and failure.exitcode not in stopped
     ]
@@ -393,3 +415,4 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     finally:
         if watch is not None:
             watch.stop()
+        shutil.rmtree(os.environ.pop(_worker.EXIT_TIME_DIR_VAR, ""), ignore_errors=True)
