@@ -77,3 +77,56 @@ def test_forced_fallbacks_give_the_same_results_and_are_logged_once() -> None:
     for name in ("from_dlpack", "torch.from_dlpack", "Compiled.__call__", "garbage collector"):
         assert sum(name in line for line in after) >= 1, (name, after)
     assert all("a changed signature" in line for line in after if "garbage" not in line), after
+
+
+_COMPILE_ONLY_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, warnings
+    from tpu_dist.collectives import ProgramKey
+    from tpu_dist.collectives.compile_only import compile_collective, topology_devices
+    from tpu_dist.mesh import Topology
+
+    devices = topology_devices(Topology.create("v5e", (2, 2)))
+    key = ProgramKey("allreduce", tuple(d.id for d in devices), ((256, "float32"),), ("SUM",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compile_collective(key, devices)
+    print(len(os.listdir(sys.argv[1])), len(caught))
+    """
+)
+
+
+def test_compile_only_programs_stay_out_of_jaxs_persistent_cache(tmp_path) -> None:
+    """JAX writes a compile-only executable to its persistent cache but cannot load it back
+    (it warns on every later read); compile_collective keeps them out. Checked against the
+    same compile without the scope, which does write an entry."""
+    import os
+
+    import pytest
+
+    from tests.launch_worker import clean_env
+
+    pytest.importorskip("libtpu")
+
+    def run(script: str, cache: str) -> list[int]:
+        env = clean_env({"JAX_COMPILATION_CACHE_DIR": cache,
+                         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})
+        proc = subprocess.run([sys.executable, "-c", script, cache], capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [int(v) for v in proc.stdout.split()[-2:]]
+
+    ours, plain = tmp_path / "ours", tmp_path / "plain"
+    ours.mkdir()
+    plain.mkdir()
+    assert run(_COMPILE_ONLY_SCRIPT, str(ours)) == [0, 0]
+    without_scope = _COMPILE_ONLY_SCRIPT.replace(
+        "import os, sys, warnings",
+        "import os, sys, warnings, contextlib\n"
+        "from tpu_dist.collectives import _jaxlib\n"
+        "_jaxlib.uncached = contextlib.nullcontext",
+    )
+    entries, warned = run(without_scope, str(plain))
+    assert entries >= 1 and warned >= 1, (entries, warned)
+    assert os.listdir(ours) == []

@@ -47,12 +47,16 @@ def test_caught_timeout_then_exit_keeps_the_exit_code(backend: str) -> None:
     assert "exited with code 3" in err, err
 
 
-def test_ranks_that_finish_more_than_a_minute_apart_exit_0() -> None:
-    # After destroy_process_group(), rank 1 works alone for 65 s (JAX's shutdown barrier used
-    # to give up after 60 s and abort both). gloo needs no check: it has no such barrier.
+def test_ranks_that_finish_further_apart_than_jaxs_shutdown_timeout_exit_0() -> None:
+    # After destroy_process_group(), rank 1 works alone for longer than JAX's shutdown timeout
+    # (JAX's shutdown barrier used to give up after it, 60 s then, and abort both). gloo needs
+    # no check: it has no such barrier.
+    from tpu_dist.collectives._runtime import JAX_SHUTDOWN_TIMEOUT_S
+
+    sleep = JAX_SHUTDOWN_TIMEOUT_S + 5
     code, out, err = run_launcher(
-        ["--nproc-per-node", "2", WORKER, "late-finish", "--sleep", "65", "--backend", "tpu"],
-        timeout=240,
+        ["--nproc-per-node", "2", WORKER, "late-finish", "--sleep", str(sleep), "--backend", "tpu"],
+        timeout=180 + sleep,
     )
     assert code == 0, err
     assert "[rank0]:DONE rank=0" in out and "[rank1]:DONE rank=1" in out

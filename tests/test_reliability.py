@@ -25,6 +25,14 @@ from tests.launch_worker import free_port
 FAST = {"TPU_DIST_HEARTBEAT_TIMEOUT": "4"}
 
 
+def _raise_policy_world(world_size: int, timeout_s: int, records: os.PathLike) -> World:
+    """A "tpu" world whose group timeout (``timeout_s``) raises instead of aborting; the
+    flight recorder writes to ``records``; the harness gives up on it after 90 s."""
+    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(records)}
+    return World(world_size, backend="tpu", env=env, timeout=90,
+                 init_kwargs={"timeout": datetime.timedelta(seconds=timeout_s)})
+
+
 def _skip_one_collective(rank: int, world_size: int, late_rank: int) -> str:
     """Every rank but ``late_rank`` all-reduces; ``late_rank`` stays away for a while.
 
@@ -46,9 +54,7 @@ def _skip_one_collective(rank: int, world_size: int, late_rank: int) -> str:
 
 
 def test_timeout_raises_naming_the_missing_rank(tmp_path) -> None:
-    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
-    with World(3, backend="tpu", env=env, timeout=90,
-               init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
+    with _raise_policy_world(3, 5, tmp_path) as world:
         start = time.monotonic()
         results = world.run(_skip_one_collective, 1)
     for rank in (0, 2):
@@ -260,9 +266,7 @@ def _late_rank_after_a_timeout(rank: int, world_size: int) -> list[str]:
 
 
 def test_after_a_timeout_every_rank_sees_the_group_failed(tmp_path) -> None:
-    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
-    with World(3, backend="tpu", env=env, timeout=90,
-               init_kwargs={"timeout": datetime.timedelta(seconds=3)}) as world:
+    with _raise_policy_world(3, 3, tmp_path) as world:
         results = world.run(_late_rank_after_a_timeout)
     for rank in (0, 2):
         first, second = results[rank]
@@ -295,9 +299,7 @@ def test_p2p_is_watched_from_before_dispatch(tmp_path) -> None:
     # The send blocks in its dispatch until the peer arrives (XLA:CPU runs it inline); it is
     # under the watchdog from before that, as every collective, so it times out (a send
     # tracked only after its dispatch returned would hang here until the harness kills it).
-    env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
-    with World(2, backend="tpu", env=env, timeout=90,
-               init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
+    with _raise_policy_world(2, 5, tmp_path) as world:
         results = world.run(_send_nobody_receives)
     message = results[0]
     assert "timed out after 5 s" in message, message

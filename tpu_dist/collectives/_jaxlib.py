@@ -15,14 +15,18 @@ DLPack export             ``_jax.buffer_to_dlpack_managed_tensor``       ``torch
 start a program           ``Compiled._executable.xla_executable          ``Compiled.__call__`` on
                           .execute``                                     global arrays
 free deferred results     ``_jax.collect_garbage``                       Python's garbage collector
+keep a program out of     a thread-local ``persistent_cache_min_         none: the executable is
+JAX's persistent cache    compile_time_secs`` (``jax._src.config``)      written (compile-only
+                                                                         ones then warn on read)
 ========================  =============================================  ========================
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import jax
 import torch
@@ -37,6 +41,10 @@ except ImportError:  # pragma: no cover - another jaxlib
 _dlpack_import = getattr(_lib, "dlpack_managed_tensor_to_buffer", None)
 _dlpack_export = getattr(_lib, "buffer_to_dlpack_managed_tensor", None)
 _collect_garbage = getattr(_lib, "collect_garbage", None)
+try:
+    from jax._src.config import persistent_cache_min_compile_time_secs as _min_cached_compile_time
+except ImportError:  # pragma: no cover - another jax
+    _min_cached_compile_time = None
 _execute_usable = True
 
 _FALLBACKS = {
@@ -48,6 +56,8 @@ _FALLBACKS = {
     "(~120 us more per collective)",
     "collect_garbage": "jaxlib's collect_garbage -> Python's garbage collector (result blocks "
     "are freed at the next collection, not after each call)",
+    "uncached": "a thread-local JAX cache setting -> none (compile-only executables are "
+    "written to JAX's persistent cache, and every later read of one warns that it cannot load)",
 }
 """Name of each private call -> what replaces it and what that costs."""
 
@@ -139,3 +149,25 @@ def execute_failed(err: BaseException) -> None:
     global _execute_usable
     _execute_usable = False
     fell_back("execute", err)
+
+
+@contextlib.contextmanager
+def uncached() -> Iterator[None]:
+    """Programs compiled in this block (this thread) are not written to JAX's persistent cache.
+
+    For compile-only (libtpu) executables: JAX writes them like any other, but cannot load one
+    back ("PjRtCompiler must be constructed with a Client"), so every later compile of the same
+    program would read the entry, warn and compile anyway. A minimum compile time no program
+    reaches keeps them out.
+    """
+    if _min_cached_compile_time is None:
+        fell_back("uncached")
+        yield
+        return
+    try:
+        scope = _min_cached_compile_time(float("inf"))
+    except TypeError as err:
+        fell_back("uncached", err)
+        scope = contextlib.nullcontext()
+    with scope:
+        yield

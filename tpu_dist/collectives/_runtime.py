@@ -66,6 +66,11 @@ _BIND_ENV = "JAX_COORDINATOR_BIND_ADDRESS"
 # JAX's heartbeats would end every process after a rank stopped answering for this long (or
 # when rank 0's service went away): long enough never to fire. tpu_dist's watchdog decides.
 _JAX_HEARTBEAT_TIMEOUT_S = 1_000_000
+JAX_SHUTDOWN_TIMEOUT_S = 10
+"""JAX's shutdown barrier timeout. The service runs recoverable, so there is no shutdown barrier
+and ranks may finish any time apart; had there been one, a rank that finished this much earlier
+than another would abort both at exit (tests/test_launch_faults.py checks ranks finishing
+further apart than this)."""
 
 
 @dataclass(frozen=True)
@@ -208,7 +213,7 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> 
                 process_id=rank,
                 initialization_timeout=init_timeout,
                 heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
-                shutdown_timeout_seconds=60,
+                shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
                 coordinator_bind_address=bind_address(address),
             )
         except RuntimeError as err:

@@ -36,8 +36,9 @@ Limits seen with libtpu 0.0.52 (for whoever compiles whole jobs this way):
   exactly the slices the group spans (a group over slices {a, b} of a job compiles over
   ``Topology.create(gen, shape, num_slices=2)``).
 * complex128 programs crash the TPU compiler; :func:`compile_collective` refuses them first.
-* With JAX's persistent compilation cache on (``JAX_COMPILATION_CACHE_DIR``), compile-only
-  executables are written to it and fail to load back (a warning, then a fresh compile).
+* JAX's persistent compilation cache (``JAX_COMPILATION_CACHE_DIR``) cannot load compile-only
+  executables back (it warns, then compiles afresh), so :func:`compile_collective` never writes
+  them to it.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpu_dist.collectives import _lowering, _runtime
+from tpu_dist.collectives import _jaxlib, _lowering, _runtime
 from tpu_dist.collectives._lowering import ProgramKey
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
         jax.errors.JaxRuntimeError: the TPU compiler rejected the program (a lowering bug).
     """
     lowered = _lowering.lower(key, devices)
-    with _runtime.x64_scope():
+    with _runtime.x64_scope(), _jaxlib.uncached():
         compiled = lowered.compile()
     text = compiled.as_text()
     try:
