@@ -158,9 +158,10 @@ def choose_algorithm(
     * TPU, 64-bit or complex blocks: XLA:TPU emulates them with 32-bit words, and its
       collectives reject part of that (libtpu 0.0.52): an all-reduce of float64/int64 supports
       only sums (``UNIMPLEMENTED: Supported lowering only of Sum all reduce``), so MAX/MIN
-      become ``"gather_reduce"``; a reduce-scatter of float64 supports nothing
-      (``Supported lowering only of Sum reduce-scatter``), so it is an ``"exchange"`` (the same
-      bytes per rank).
+      become ``"gather_reduce"`` (``size`` times the input moves, on types rare in
+      collectives); a reduce-scatter of float64 supports nothing (``Supported lowering only of
+      Sum reduce-scatter``; complex: ``... not to contain X{64|128} element types ...``), so it
+      is an ``"exchange"`` (the same bytes per rank). tests/test_tpu_compile.py compiles them.
     * CPU, reduce-scatter at every size: ``"exchange"``. XLA:CPU's reduce-scatter copies its
       input to a temporary and runs gloo's halving-doubling on it; an all-to-all sends each
       chunk straight to its owner (16 MiB: 2 ranks 13.6 vs 19.3 ms, 4 ranks 23.6 vs 38.2 ms).
