@@ -332,15 +332,15 @@ def _both_lowerings(rank: int, world_size: int) -> list[str]:
     ones as XLA's rings; both give the exact results, for lengths that do not divide evenly.
     reduce_scatter is an exchange at every size on CPU; its XLA lowering (what TPUs run) is
     checked too, with the choice forced."""
-    from tpu_dist.collectives import _lowering
+    from tpu_dist.collectives import _plan
 
     pg = dist.distributed_c10d._get_default_group()
     small = 1001                                                   # padded to 1004 inside
-    large = _lowering.DIRECT_EXCHANGE_MAX_BYTES // 4 + 5           # float32: over the limit
+    large = 256 * 1024 // 4 + 5                                    # float32: over the limit
     problems = []
     for numel, direct in ((small, True), (large, False)):
-        key = _lowering.ProgramKey("allreduce", pg._device_ids, ((numel, "float32"),), ("SUM",))
-        if _lowering.exchanges_directly(key, pg._devices) != direct:
+        plan = _plan.all_reduce(pg._view, [torch.empty(numel)], dist.ReduceOp.SUM)
+        if plan.key.algorithm != ("exchange" if direct else "xla"):
             problems.append(f"{numel} elements: direct exchange should be {direct}")
         for dtype in (torch.float32, torch.int32, torch.bfloat16):
             def value(r: int) -> torch.Tensor:  # small integers: exact in every dtype and op
@@ -366,20 +366,24 @@ def _both_lowerings(rank: int, world_size: int) -> list[str]:
         want = (torch.arange(numel) + rank * numel) * world_size + sum(range(world_size))
         if not torch.equal(chunk, want.to(torch.float32)):
             problems.append(f"reduce_scatter x{numel}")
-    chosen = _lowering.exchanges_directly
-    _lowering.exchanges_directly = lambda key, devices: False
-    try:
-        for op in ("SUM", "MAX"):
-            chunk = torch.empty(7)            # a size no other call here compiled
-            dist.reduce_scatter_tensor(chunk, torch.arange(world_size * 7.0) + rank,
-                                       op=getattr(dist.ReduceOp, op))
-            rows = torch.stack([torch.arange(world_size * 7.0) + r for r in range(world_size)])
-            want = (rows.sum(0) if op == "SUM" else rows.amax(0)).view(world_size, 7)[rank]
-            if not torch.equal(chunk, want):
-                problems.append(f"reduce_scatter {op} through XLA's reduce-scatter")
-    finally:
-        _lowering.exchanges_directly = chosen
+    for op in ("SUM", "MAX"):
+        chunk = torch.empty(7)            # a size no other call here compiled
+        plan = _plan.reduce_scatter_tensor(
+            pg._view, chunk, torch.arange(world_size * 7.0) + rank, getattr(dist.ReduceOp, op)
+        )
+        pg._run(_with_algorithm(plan, "xla")).wait()
+        rows = torch.stack([torch.arange(world_size * 7.0) + r for r in range(world_size)])
+        want = (rows.sum(0) if op == "SUM" else rows.amax(0)).view(world_size, 7)[rank]
+        if not torch.equal(chunk, want):
+            problems.append(f"reduce_scatter {op} through XLA's reduce-scatter")
     return problems
+
+
+def _with_algorithm(plan, algorithm: str):
+    """``plan`` with its program's algorithm chosen by the test (any op, any size)."""
+    import dataclasses
+
+    return dataclasses.replace(plan, key=dataclasses.replace(plan.key, algorithm=algorithm))
 
 
 def test_direct_exchanges_and_rings_agree_with_reference(world: World) -> None:
@@ -391,31 +395,29 @@ def _tpu_wide_lowerings(rank: int, world_size: int) -> list[str]:
     complex reduce-scatters are an all-to-all and a local reduction (XLA:TPU's collectives
     reject those types; tests/test_tpu_compile.py compiles them with libtpu). The same bodies,
     forced here on CPU, against a float64/complex128 reference."""
-    from tpu_dist.collectives import _lowering
+    from tpu_dist.collectives import _plan
 
-    chosen = _lowering.avoids_tpu_wide_reductions
-    _lowering.avoids_tpu_wide_reductions = lambda key, devices: True
+    pg = dist.distributed_c10d._get_default_group()
     problems = []
-    try:
-        n = 13  # a size no other call here compiled
-        for dtype in (torch.float64, torch.int64):
-            for op in ("MAX", "MIN"):
-                rows = torch.stack([(torch.arange(n) * (r + 1)) % 7 - r for r in range(world_size)])
-                t = rows[rank].to(dtype).clone()
-                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
-                want = rows.amax(0) if op == "MAX" else rows.amin(0)
-                if not torch.equal(t, want.to(dtype)):
-                    problems.append(f"all_reduce {op} {dtype}: {t.tolist()} != {want.tolist()}")
-        for dtype in (torch.float64, torch.complex64):
-            full = torch.stack([torch.arange(world_size * 3) * (r + 1) for r in range(world_size)])
-            full = full.to(dtype) * (1 + 1j if dtype.is_complex else 1)
-            chunk = torch.empty(3, dtype=dtype)
-            dist.reduce_scatter_tensor(chunk, full[rank].clone())
-            want = full.sum(0).view(world_size, 3)[rank]
-            if not torch.equal(chunk, want):
-                problems.append(f"reduce_scatter SUM {dtype}: {chunk.tolist()} != {want.tolist()}")
-    finally:
-        _lowering.avoids_tpu_wide_reductions = chosen
+    n = 13  # a size no other call here compiled
+    for dtype in (torch.float64, torch.int64):
+        for op in ("MAX", "MIN"):
+            rows = torch.stack([(torch.arange(n) * (r + 1)) % 7 - r for r in range(world_size)])
+            t = rows[rank].to(dtype).clone()
+            plan = _plan.all_reduce(pg._view, [t], getattr(dist.ReduceOp, op))
+            pg._run(_with_algorithm(plan, "gather_reduce")).wait()
+            want = rows.amax(0) if op == "MAX" else rows.amin(0)
+            if not torch.equal(t, want.to(dtype)):
+                problems.append(f"all_reduce {op} {dtype}: {t.tolist()} != {want.tolist()}")
+    for dtype in (torch.float64, torch.complex64):
+        full = torch.stack([torch.arange(world_size * 3) * (r + 1) for r in range(world_size)])
+        full = full.to(dtype) * (1 + 1j if dtype.is_complex else 1)
+        chunk = torch.empty(3, dtype=dtype)
+        plan = _plan.reduce_scatter_tensor(pg._view, chunk, full[rank].clone(), dist.ReduceOp.SUM)
+        pg._run(_with_algorithm(plan, "exchange")).wait()
+        want = full.sum(0).view(world_size, 3)[rank]
+        if not torch.equal(chunk, want):
+            problems.append(f"reduce_scatter SUM {dtype}: {chunk.tolist()} != {want.tolist()}")
     return problems
 
 

@@ -35,7 +35,7 @@ _SCRIPT = textwrap.dedent(
     t = torch.arange(6, dtype=torch.float32)
     private_in = _jaxlib.dlpack_import(t, device)
     private_out = _jaxlib.dlpack_export(private_in)
-    key = ProgramKey("allreduce", (device.id,), ((6, "float32"),), ("SUM",))
+    key = ProgramKey("allreduce", (device.id,), ((6, "float32"),), ("SUM",), "xla")
     private_run = _lowering.run(key, [device], [private_in])
     out["private_execute"] = _lowering.program(key, [device]).execute is not None
     out["before"] = list(warnings)

@@ -2,7 +2,7 @@
 
 libtpu's compile-only devices stand in for a TPU (no TPU here). Each program kind, with every
 reduce op and every dtype the backend sends (reductions on the values; data movement on
-int8/int16/int32 words, see ``_backend._words``), is compiled with the lowering TPUs run, and
+int8/int16/int32 words, see ``_plan.words``), is compiled with the lowering TPUs run, and
 the compiled TPU HLO is read back: its collective ops must be the ones expected for the kind and
 their replica groups exactly the group's devices. Groups: a whole v5p 4x4x4 slice, one ICI axis
 of a ``plan_mesh`` layout of two such slices, and a ``plan_mesh`` DCN group spanning both.
@@ -32,7 +32,7 @@ _WORDS = ("int8", "int16", "int32")
 
 
 # Every op on the dtypes where lowerings differ (32-bit native; 64-bit and complex emulated by
-# XLA:TPU, see _lowering.avoids_tpu_wide_reductions); a sum and a max on the other dtypes.
+# XLA:TPU, see _plan.choose_algorithm); a sum and a max on the other dtypes.
 _ALL_OPS_DTYPES = ("float32", "int32", "float64", "int64", "complex64")
 
 

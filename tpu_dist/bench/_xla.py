@@ -27,7 +27,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_dist.collectives._lowering import AXIS, ProgramKey, body_for
+from tpu_dist.collectives._lowering import AXIS, body_for
+from tpu_dist.collectives._plan import program_key
 
 __all__ = ["XlaCase", "make_xla_case"]
 
@@ -69,7 +70,8 @@ def _body(op: str, devices: list[jax.Device], local: int, dtype: str) -> Callabl
     if op not in _KINDS:
         raise ValueError(f"unknown op {op!r}")
     kind, params = _KINDS[op]
-    key = ProgramKey(kind, tuple(d.id for d in devices), ((local, dtype),), params)
+    key = program_key(kind, tuple(d.id for d in devices), ((local, dtype),), params,
+                      devices[0].platform)
     body = body_for(key, devices)
     return lambda x: body(x)[0]
 

@@ -18,7 +18,7 @@ Public names:
   ``_set_pg_timeout`` reaches only gloo and NCCL).
 * :func:`global_devices` - the JAX device of each global rank.
 * :func:`compile_count` - how many collective programs this process compiled.
-* :class:`ProgramKey` - what decides a collective's XLA program (kind, blocks, params);
+* :class:`ProgramKey` - what decides a collective's XLA program (kind, blocks, params, algorithm);
   :mod:`tpu_dist.collectives.compile_only` compiles one for TPU without a TPU (libtpu).
 """
 

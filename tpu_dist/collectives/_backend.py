@@ -1,10 +1,16 @@
 """``ProcessGroupTPU``: the c10d process group behind ``init_process_group("tpu")``.
 
-Every method follows one path, top to bottom: check the arguments (raise before
-anything is sent), turn the tensors into flat JAX blocks (zero-copy where
-DLPack allows), dispatch the cached XLA program for the op
-(:mod:`._lowering`), and return a :class:`TPUWork` whose finish step copies
-the results into the output tensors.
+Every op is one pipeline, each stage with one owner:
+
+* **plan** (:mod:`._plan`, pure): check the arguments (raise before anything is sent), flatten
+  the tensors into blocks, choose the program (kind and algorithm, the
+  :class:`~._lowering.ProgramKey`) and the finish step;
+* **track** (:func:`_track`): flight recorder and watchdog, always before dispatch;
+* **dispatch** (:class:`_Dispatcher`): the cached XLA program (:mod:`._lowering`) started in
+  the order every rank agrees on;
+* **complete** (:class:`~._work.TPUWork`): the finish step copies the results into the outputs.
+
+So each op method is a line: its plan function, then :meth:`ProcessGroupTPU._run`.
 
 Method names and signatures are the ones torch 2.13's Python process-group
 trampoline dispatches to (``allreduce``, ``all_gather_single``, ...); users
@@ -26,96 +32,28 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _checks, _lowering, _runtime, _watchdog, flight_recorder
+from tpu_dist.collectives import _checks, _lowering, _plan, _runtime, _watchdog, flight_recorder
 from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._lowering import ProgramKey
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
-
-def _flat(tensor: torch.Tensor) -> torch.Tensor:
-    """A 1-D contiguous view of ``tensor`` (a copy only when it is not contiguous)."""
-    return tensor.contiguous().view(-1) if tensor.dim() != 1 or not tensor.is_contiguous() else tensor
-
-
-def _values(tensor: torch.Tensor) -> torch.Tensor:
-    """The flat tensor as reduction operands: bool becomes uint8 0/1, complex its (real, imag)
-    pairs (complex reductions, SUM/AVG/PREMUL_SUM with a real factor, act on each part alone;
-    and XLA:TPU has no complex128 at all)."""
-    flat = _flat(tensor)
-    if flat.dtype == torch.bool:
-        return flat.view(torch.uint8)
-    if flat.is_complex():
-        return torch.view_as_real(flat.resolve_conj()).view(-1)
-    return flat
-
-
-_WORD_DTYPES = {1: torch.int8, 2: torch.int16}
-
-#: torch dtype -> the JAX/numpy dtype name a block of it becomes (torch.float32 -> "float32").
-_DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _checks.SUPPORTED_DTYPES}
-
-
-def _words(tensor: torch.Tensor) -> torch.Tensor:
-    """The flat tensor as raw words: int8/int16 for 1/2-byte dtypes, else int32."""
-    flat = _flat(tensor)
-    return flat.view(_WORD_DTYPES.get(flat.element_size(), torch.int32))
-
-
-def _word_count(tensor: torch.Tensor) -> int:
-    size = tensor.element_size()
-    return tensor.numel() * (size // 4 if size >= 4 else 1)
-
-
-def _write(out: torch.Tensor, result: torch.Tensor) -> None:
-    """Copy a flat result block (values or words) into ``out``, any layout."""
-    if result.dtype != out.dtype:
-        result = result.view(out.dtype)
-    if result.shape != out.shape:
-        result = result.view(out.shape)
-    if _checks.shares_memory_within(out):
-        # An expanded tensor of an in-place op: elements that share memory hold one value
-        # (gloo accepts these too); write it once, through the first index of each such dim.
-        for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
-            if stride == 0 and size > 1:
-                out, result = out.narrow(dim, 0, 1), result.narrow(dim, 0, 1)
-    out.copy_(result)
-
-
-def _reduce_params(op_name: str, opts_op: dist.ReduceOp, dtype: torch.dtype) -> tuple:
-    reduce_op = _checks.reduce_op_name(opts_op)
-    _checks.check_reduce_op(op_name, reduce_op, dtype)
-    if dtype == torch.bool:
-        # On 0/1 bytes: SUM and BOR are "any", PRODUCT and BAND are "all".
-        reduce_op = {"SUM": "MAX", "BOR": "MAX", "PRODUCT": "MIN", "BAND": "MIN"}.get(
-            reduce_op, reduce_op
-        )
-    if reduce_op == "PREMUL_SUM":
-        factor = opts_op.factor
-        if isinstance(factor, torch.Tensor):
-            factor = factor.item()
-        return (reduce_op, float(factor))
-    return (reduce_op,)
-
 
 @dataclass
 class _P2POp:
     work: TPUWork
     group: ProcessGroupTPU
-    is_send: bool
-    peer: int
-    """Global rank of the other end."""
-    tag: int
-    tensor: torch.Tensor
+    plan: _plan.P2PPlan
     seq: int = 0
     """Its number among the ops between its two ranks, set when it is dispatched."""
 
@@ -146,8 +84,9 @@ class _P2PQueue:
         me = _runtime.info().rank
 
         def order(op: _P2POp) -> tuple[int, int, int, int]:
-            src, dst = (me, op.peer) if op.is_send else (op.peer, me)
-            return (min(src, dst), max(src, dst), 0 if src < dst else 1, op.tag)
+            peer = op.plan.peer
+            src, dst = (me, peer) if op.plan.op == "send" else (peer, me)
+            return (min(src, dst), max(src, dst), 0 if src < dst else 1, op.plan.tag)
 
         for op in sorted(ops, key=order):
             op.group._dispatch_p2p(op, block)
@@ -284,7 +223,7 @@ class _Dispatcher:
         """All-gather every rank's offered ticket over the device set ``ids``."""
         by_id = {d.id: d for d in _runtime.global_devices()}
         devices = [by_id[i] for i in ids]
-        key = ProgramKey("allgather", ids, ((len(offer), "int32"),), ())
+        key = _plan.program_key("allgather", ids, ((len(offer), "int32"),), (), devices[0].platform)
         mine = _runtime.to_jax(torch.tensor(offer, dtype=torch.int32))
         (gathered,) = _lowering.run(key, devices, [mine])
         gathered.block_until_ready()
@@ -383,6 +322,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         _groups_per_device_set[self._device_set] = (
             _groups_per_device_set.get(self._device_set, 0) + 1
         )
+        self._view = _plan.GroupView(
+            rank, size, self._device_ids, self._devices[0].platform, tuple(self._global_ranks)
+        )
         self._live = True
         self._timeout = timeout
         self._group_name = ""
@@ -411,6 +353,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
 
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
+        self._view = dataclasses.replace(self._view, name=name)
         watchdog = _watchdog.get()
         if watchdog is not None:
             watchdog.group_created(name)
@@ -445,45 +388,34 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             _groups_per_device_set[self._device_set] -= 1
         super().shutdown()
 
-    # -- the common path ------------------------------------------------------
+    # -- the common path: track, dispatch, complete ------------------------------------------
 
-    def _launch(
-        self,
-        description: str,
-        kind: str,
-        params: tuple,
-        blocks: Sequence[torch.Tensor],
-        finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-        *,
-        async_op: bool = False,
-    ) -> TPUWork:
-        """Dispatch ``kind``'s program on flat ``blocks``; ``finish`` gets the results.
+    def _run(self, plan: _plan.Plan, async_op: bool = False) -> TPUWork:
+        """Run ``plan``: its program tracked, dispatched, and completed by the returned work.
+
+        A plan with a follow-up (:attr:`Plan.then`) runs to completion first, here; the plan it
+        leads to is the one ``async_op`` applies to.
+        """
+        while plan.then is not None:
+            outputs = self._launch(plan).result()
+            plan = plan.then(outputs)
+        return self._launch(plan, async_op=async_op)
+
+    def _launch(self, plan: _plan.Plan, *, async_op: bool = False) -> TPUWork:
+        """Track and dispatch ``plan``'s program; the work runs ``plan.finish`` on its results.
 
         With ``async_op`` the program starts on the dispatcher thread and this returns at once.
         """
         _p2p_queue.flush()
-        if all(b.numel() == 0 for b in blocks):
-            # Nothing to move; every rank of the group sees the same empty shapes.
-            empty = [b.new_empty(0) for b in blocks]
-            return TPUWork.completed(description, finish(empty))
-        # Empty blocks among others (a coalesced call) stay out of the program (XLA refuses
-        # zero-length collectives) and get empty results back.
-        empties = [b.new_empty(0) if b.numel() == 0 else None for b in blocks]
-        if any(e is not None for e in empties):
-            blocks = [b for b in blocks if b.numel()]
-            whole = finish
-
-            def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-                it = iter(results)
-                return whole([e if e is not None else next(it) for e in empties])
-
-        arrays = [_runtime.to_jax(b) for b in blocks]
-        meta = tuple((b.numel(), _DTYPE_NAMES[b.dtype]) for b in blocks)
+        description = plan.op
+        if plan.key is None:  # nothing to move
+            return TPUWork.completed(description, plan.finish([]))
+        key = plan.key
+        arrays = [_runtime.to_jax(b) for b in plan.blocks]
         if self._check_calls:
-            self._check_same_call(description, params, meta)
+            self._check_same_call(description, key.params, key.blocks)
         self._seq += 1
         seq = self._seq
-        key = ProgramKey(kind, self._device_ids, meta, params)
 
         def explain(err: BaseException) -> dist.DistBackendError:
             return _watchdog.explain_failure(
@@ -499,8 +431,10 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._remember(work)
         # Watched from before dispatch: the first call of a program sets up XLA's
         # communicators inside dispatch and blocks there until every peer arrives.
-        _track(work, self._group_name, self._global_ranks, seq, description, meta, params,
-               self._timeout)
+        _track(work, self._group_name, self._global_ranks, seq, description, key.blocks,
+               key.params, self._timeout)
+        finish = plan.finish
+
         def complete(outs: list) -> list[torch.Tensor]:
             return finish([_runtime.to_torch(o) for o in outs])
 
@@ -572,7 +506,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         raw = call.encode()[: _CALL_BYTES]
         mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        key = ProgramKey("allgather", self._device_ids, ((_CALL_BYTES, "uint8"),), ())
+        key = _plan.program_key(
+            "allgather", self._device_ids, ((_CALL_BYTES, "uint8"),), (), self._view.platform
+        )
         ticket = self._ticket(self._seq + 1, 0)
         arrays = [_runtime.to_jax(mine)]
         if ticket is None:
@@ -592,61 +528,22 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
                 "dtypes and reduce ops (checked because TORCH_DISTRIBUTED_DEBUG=DETAIL)."
             )
 
-    # -- all-reduce -------------------------------------------------------------
+    # -- the ops: plan, then the common path ---------------------------------------------------
+    # Each op is its plan function (tpu_dist.collectives._plan: checks, blocks, program, finish)
+    # handed to _run. Names and signatures are the ones torch's trampoline calls.
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> TPUWork:
-        tensor = _checks.check_single("all_reduce", tensors)
-        params = _reduce_params("all_reduce", opts.reduceOp, tensor.dtype)
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            _write(tensor, results[0])
-            return [tensor]
-
-        return self._launch(
-            "all_reduce", "allreduce", params, [_values(tensor)], finish, async_op=opts.asyncOp
-        )
+        return self._run(_plan.all_reduce(self._view, tensors, opts.reduceOp), opts.asyncOp)
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
     ) -> TPUWork:
-        op = "all_reduce_coalesced"
-        for i, t in enumerate(tensors):
-            _checks.check_tensor(op, t, f"tensors[{i}]")
-        if not tensors:
-            return TPUWork.completed(op, [])
-        params = {_reduce_params(op, opts.reduceOp, t.dtype) for t in tensors}
-        if len(params) != 1:
-            raise TypeError(
-                f"{op}: the tensors' dtypes {sorted({str(t.dtype) for t in tensors})} map "
-                "ReduceOp to different operations; coalesce tensors of one kind "
-                "(floating, integer or bool) per call."
-            )
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            for t, r in zip(tensors, results):
-                _write(t, r)
-            return list(tensors)
-
-        blocks = [_values(t) for t in tensors]
-        return self._launch(op, "allreduce", params.pop(), blocks, finish, async_op=opts.asyncOp)
+        plan = _plan.all_reduce_coalesced(self._view, tensors, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
     def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions) -> TPUWork:
-        op = "reduce"
-        tensor = _checks.check_single(op, tensors)
-        _checks.check_rank(op, opts.rootRank, self.size(), "root")
-        params = _reduce_params(op, opts.reduceOp, tensor.dtype)
-        is_root = self.rank() == opts.rootRank
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            if is_root:
-                _write(tensor, results[0])
-            return [tensor]
-
-        return self._launch(
-            op, "allreduce", params, [_values(tensor)], finish, async_op=opts.asyncOp
-        )
-
-    # -- all-gather -------------------------------------------------------------
+        plan = _plan.reduce(self._view, tensors, opts.rootRank, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
     def allgather(
         self,
@@ -654,37 +551,13 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
-        op = "all_gather"
-        tensor = _checks.check_single(op, input_tensors)
-        if len(output_tensors) != 1:
-            raise ValueError(f"{op}: expected one output list, got {len(output_tensors)}.")
-        outputs = output_tensors[0]
-        _checks.check_list(op, outputs, self.size(), "output tensor list")
-        for i, out in enumerate(outputs):
-            _checks.check_tensor(op, out, f"output_tensor_list[{i}]")
-            _checks.check_same(op, tensor, out, f"output_tensor_list[{i}]")
-            _checks.check_numel(op, out, tensor.numel(), f"output_tensor_list[{i}]")
-            _checks.check_output(op, out, f"output_tensor_list[{i}]")
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            for out, chunk in zip(outputs, results[0].chunk(self.size())):
-                _write(out, chunk)
-            return list(outputs)
-
-        return self._launch(op, "allgather", (), [_words(tensor)], finish, async_op=opts.asyncOp)
+        plan = _plan.all_gather(self._view, output_tensors, input_tensors)
+        return self._run(plan, opts.asyncOp)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions
     ) -> TPUWork:
-        op = "all_gather_into_tensor"
-        self._check_gather_pair(op, output, input, "output")
-        _checks.check_output(op, output, "output")
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            _write(output, results[0])
-            return [output]
-
-        return self._launch(op, "allgather", (), [_words(input)], finish, async_op=opts.asyncOp)
+        return self._run(_plan.all_gather_into_tensor(self._view, output, input), opts.asyncOp)
 
     def all_gather_single_coalesced(
         self,
@@ -692,26 +565,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
-        op = "all_gather_into_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(
-                f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
-                "output per input."
-            )
-        for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            self._check_gather_pair(op, out, inp, f"outputs[{i}]")
-            _checks.check_output(op, out, f"outputs[{i}]")
-        if not inputs:
-            return TPUWork.completed(op, [])
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            for out, r in zip(outputs, results):
-                _write(out, r)
-            return list(outputs)
-
-        return self._launch(
-            op, "allgather", (), [_words(t) for t in inputs], finish, async_op=opts.asyncOp
-        )
+        plan = _plan.all_gather_into_tensor_coalesced(self._view, outputs, inputs)
+        return self._run(plan, opts.asyncOp)
 
     def allgather_coalesced(
         self,
@@ -720,41 +575,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
         """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank r's ``input_tensors[i]``."""
-        op = "all_gather_coalesced"
-        _checks.check_list(op, output_lists, self.size(), "output_tensor_lists")
-        for i, t in enumerate(input_tensors):
-            _checks.check_tensor(op, t, f"input_tensor_list[{i}]")
-        for r, outputs in enumerate(output_lists):
-            if len(outputs) != len(input_tensors):
-                raise ValueError(
-                    f"{op}: output_tensor_lists[{r}] has {len(outputs)} tensors for "
-                    f"{len(input_tensors)} inputs; pass one output per input for every rank."
-                )
-            for i, (out, inp) in enumerate(zip(outputs, input_tensors)):
-                what = f"output_tensor_lists[{r}][{i}]"
-                _checks.check_tensor(op, out, what)
-                _checks.check_same(op, inp, out, what)
-                _checks.check_numel(op, out, inp.numel(), what)
-                _checks.check_output(op, out, what)
-        if not input_tensors:
-            return TPUWork.completed(op, [])
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            for i, gathered in enumerate(results):
-                for outputs, chunk in zip(output_lists, gathered.chunk(self.size())):
-                    _write(outputs[i], chunk)
-            return [out for outputs in output_lists for out in outputs]
-
-        blocks = [_words(t) for t in input_tensors]
-        return self._launch(op, "allgather", (), blocks, finish, async_op=opts.asyncOp)
-
-    def _check_gather_pair(
-        self, op: str, big: torch.Tensor, small: torch.Tensor, what: str
-    ) -> None:
-        _checks.check_tensor(op, small, "input")
-        _checks.check_tensor(op, big, what)
-        _checks.check_same(op, small, big, what)
-        _checks.check_numel(op, big, small.numel() * self.size(), what)
+        plan = _plan.all_gather_coalesced(self._view, output_lists, input_tensors)
+        return self._run(plan, opts.asyncOp)
 
     def gather(
         self,
@@ -762,37 +584,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: dist.GatherOptions,
     ) -> TPUWork:
-        op = "gather"
-        tensor = _checks.check_single(op, input_tensors)
-        _checks.check_rank(op, opts.rootRank, self.size(), "root")
-        is_root = self.rank() == opts.rootRank
-        outputs: list[torch.Tensor] = []
-        if is_root:
-            if len(output_tensors) != 1:
-                raise ValueError(
-                    f"{op}: the root needs one gather_list, got {len(output_tensors)}."
-                )
-            outputs = output_tensors[0]
-            _checks.check_list(op, outputs, self.size(), "gather_list")
-            for i, out in enumerate(outputs):
-                _checks.check_tensor(op, out, f"gather_list[{i}]")
-                _checks.check_same(op, tensor, out, f"gather_list[{i}]")
-                _checks.check_numel(op, out, tensor.numel(), f"gather_list[{i}]")
-                _checks.check_output(op, out, f"gather_list[{i}]")
-        elif output_tensors and any(output_tensors):
-            raise ValueError(
-                f"{op}: gather_list must be empty or None on non-root rank {self.rank()} "
-                f"(root is {opts.rootRank})."
-            )
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            for out, chunk in zip(outputs, results[0].chunk(self.size())):
-                _write(out, chunk)
-            return list(outputs)
-
-        return self._launch(op, "allgather", (), [_words(tensor)], finish, async_op=opts.asyncOp)
-
-    # -- reduce-scatter -----------------------------------------------------------
+        plan = _plan.gather(self._view, output_tensors, input_tensors, opts.rootRank)
+        return self._run(plan, opts.asyncOp)
 
     def reduce_scatter(
         self,
@@ -800,41 +593,14 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[list[torch.Tensor]],
         opts: dist.ReduceScatterOptions,
     ) -> TPUWork:
-        op = "reduce_scatter"
-        output = _checks.check_single(op, output_tensors)
-        _checks.check_output(op, output, "output")
-        if len(input_tensors) != 1:
-            raise ValueError(f"{op}: expected one input list, got {len(input_tensors)}.")
-        inputs = input_tensors[0]
-        _checks.check_list(op, inputs, self.size(), "input_list")
-        for i, t in enumerate(inputs):
-            _checks.check_tensor(op, t, f"input_list[{i}]")
-            _checks.check_same(op, output, t, f"input_list[{i}]")
-            _checks.check_numel(op, t, output.numel(), f"input_list[{i}]")
-        params = _reduce_params(op, opts.reduceOp, output.dtype)
-        stacked = _values(torch.cat([_flat(t) for t in inputs]))
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            _write(output, results[0])
-            return [output]
-
-        return self._launch(op, "reduce_scatter", params, [stacked], finish, async_op=opts.asyncOp)
+        plan = _plan.reduce_scatter(self._view, output_tensors, input_tensors, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions
     ) -> TPUWork:
-        op = "reduce_scatter_tensor"
-        self._check_gather_pair(op, input, output, "input")
-        _checks.check_output(op, output, "output")
-        params = _reduce_params(op, opts.reduceOp, input.dtype)
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            _write(output, results[0])
-            return [output]
-
-        return self._launch(
-            op, "reduce_scatter", params, [_values(input)], finish, async_op=opts.asyncOp
-        )
+        plan = _plan.reduce_scatter_tensor(self._view, output, input, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
     def reduce_scatter_single_coalesced(
         self,
@@ -842,67 +608,11 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: dist.ReduceScatterOptions,
     ) -> TPUWork:
-        op = "reduce_scatter_tensor_coalesced"
-        if len(outputs) != len(inputs):
-            raise ValueError(
-                f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
-                "output per input."
-            )
-        for i, (out, inp) in enumerate(zip(outputs, inputs)):
-            self._check_gather_pair(op, inp, out, f"inputs[{i}]")
-            _checks.check_output(op, out, f"outputs[{i}]")
-        if not inputs:
-            return TPUWork.completed(op, [])
-        params = {_reduce_params(op, opts.reduceOp, t.dtype) for t in inputs}
-        if len(params) != 1:
-            raise TypeError(
-                f"{op}: the tensors' dtypes {sorted({str(t.dtype) for t in inputs})} map "
-                "ReduceOp to different operations; coalesce tensors of one kind per call."
-            )
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            for out, r in zip(outputs, results):
-                _write(out, r)
-            return list(outputs)
-
-        blocks = [_values(t) for t in inputs]
-        return self._launch(
-            op, "reduce_scatter", params.pop(), blocks, finish, async_op=opts.asyncOp
-        )
-
-    # -- broadcast and scatter ------------------------------------------------------
+        plan = _plan.reduce_scatter_tensor_coalesced(self._view, outputs, inputs, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> TPUWork:
-        op = "broadcast"
-        tensor = _checks.check_single(op, tensors)
-        _checks.check_rank(op, opts.rootRank, self.size(), "src")
-        root = opts.rootRank
-        is_root = self.rank() == root
-        # Every rank also adds (src + 1, (src + 1)**2) over the group in the same program: both
-        # sums are size times this rank's values on every rank only if every rank passed the
-        # same src (equal mean and mean of squares: no spread). Without it ranks that disagree
-        # on src got a sum of several ranks' data and returned it silently.
-        mark = root + 1
-        header = torch.tensor([mark, mark * mark], dtype=torch.int32)
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            total, squares = results[1].tolist()
-            if (total, squares) != (self.size() * mark, self.size() * mark * mark):
-                raise dist.DistBackendError(
-                    f"tpu_dist: broadcast on rank {self._global_ranks[self.rank()]} of group "
-                    f"{self._group_name!r}: the ranks of the group passed different src "
-                    f"values (this rank: src={root}; the group's mean: "
-                    f"{total / self.size() - 1:g}). Every rank must pass the same src; "
-                    "the tensor was left unchanged."
-                )
-            if not is_root:
-                _write(tensor, results[0])
-            return [tensor]
-
-        return self._launch(
-            op, "broadcast", (root, True), [_words(tensor), header], finish,
-            async_op=opts.asyncOp,
-        )
+        return self._run(_plan.broadcast(self._view, tensors, opts.rootRank), opts.asyncOp)
 
     def scatter(
         self,
@@ -910,38 +620,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[list[torch.Tensor]],
         opts: dist.ScatterOptions,
     ) -> TPUWork:
-        op = "scatter"
-        output = _checks.check_single(op, output_tensors)
-        _checks.check_output(op, output, "output")
-        _checks.check_rank(op, opts.rootRank, self.size(), "src")
-        if self.rank() == opts.rootRank:
-            if len(input_tensors) != 1:
-                raise ValueError(
-                    f"{op}: the root needs one scatter_list, got {len(input_tensors)}."
-                )
-            inputs = input_tensors[0]
-            _checks.check_list(op, inputs, self.size(), "scatter_list")
-            for i, t in enumerate(inputs):
-                _checks.check_tensor(op, t, f"scatter_list[{i}]")
-                _checks.check_same(op, output, t, f"scatter_list[{i}]")
-                _checks.check_numel(op, t, output.numel(), f"scatter_list[{i}]")
-            block = _words(torch.cat([_flat(t) for t in inputs]))
-        else:
-            if input_tensors and any(input_tensors):
-                raise ValueError(
-                    f"{op}: scatter_list must be empty or None on non-root rank "
-                    f"{self.rank()} (root is {opts.rootRank})."
-                )
-            words = _words(output)
-            block = words.new_zeros(words.numel() * self.size())
-
-        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            _write(output, results[0])
-            return [output]
-
-        return self._launch(op, "scatter", (opts.rootRank,), [block], finish, async_op=opts.asyncOp)
-
-    # -- all-to-all -------------------------------------------------------------------
+        plan = _plan.scatter(self._view, output_tensors, input_tensors, opts.rootRank)
+        return self._run(plan, opts.asyncOp)
 
     def all_to_all_single(
         self,
@@ -951,48 +631,10 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: dist.AllToAllOptions,
     ) -> TPUWork:
-        op = "all_to_all_single"
-        _checks.check_tensor(op, input, "input")
-        _checks.check_tensor(op, output, "output")
-        _checks.check_same(op, input, output, "output")
-        _checks.check_output(op, output, "output")
-        size = self.size()
-        in_rows = input.shape[0] if input.dim() else 1
-        out_rows = output.shape[0] if output.dim() else 1
-        if input.dim() == 0 or output.dim() == 0:
-            raise ValueError(f"{op}: input and output need at least one dimension.")
-        if tuple(input.shape[1:]) != tuple(output.shape[1:]):
-            raise ValueError(
-                f"{op}: input shape {tuple(input.shape)} and output shape "
-                f"{tuple(output.shape)} differ beyond dim 0."
-            )
-        if not input_split_sizes and not output_split_sizes:
-            _checks.check_splits(op, [], size, in_rows, "input")
-            _checks.check_numel(op, output, input.numel(), "output")
-
-            def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
-                _write(output, results[0])
-                return [output]
-
-            return self._launch(op, "alltoall", (), [_words(input)], finish, async_op=opts.asyncOp)
-        send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
-        recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
-        row = _word_count(input[0]) if in_rows else _word_count(output[0])
-        words = _words(input)
-        send_chunks = list(words.split([s * row for s in send]))
-        out_words = _words(output) if output.is_contiguous() else None
-
-        def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-            flat = torch.cat(recv_chunks)
-            if out_words is not None and out_words.data_ptr() != flat.data_ptr():
-                out_words.copy_(flat)
-            else:
-                _write(output, flat)
-            return [output]
-
-        return self._uneven_alltoall(
-            op, send_chunks, [r * row for r in recv], finish, opts.asyncOp
+        plan = _plan.all_to_all_single(
+            self._view, output, input, output_split_sizes, input_split_sizes
         )
+        return self._run(plan, opts.asyncOp)
 
     def alltoall(
         self,
@@ -1000,68 +642,22 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: dist.AllToAllOptions,
     ) -> TPUWork:
-        op = "all_to_all"
-        size = self.size()
-        _checks.check_list(op, input_tensors, size, "input_tensor_list")
-        _checks.check_list(op, output_tensors, size, "output_tensor_list")
-        for i, t in enumerate(input_tensors):
-            _checks.check_tensor(op, t, f"input_tensor_list[{i}]")
-            _checks.check_same(op, input_tensors[0], t, f"input_tensor_list[{i}]")
-        for i, t in enumerate(output_tensors):
-            _checks.check_tensor(op, t, f"output_tensor_list[{i}]")
-            _checks.check_same(op, input_tensors[0], t, f"output_tensor_list[{i}]")
-            _checks.check_output(op, t, f"output_tensor_list[{i}]")
-        send_chunks = [_words(t) for t in input_tensors]
+        return self._run(_plan.all_to_all(self._view, output_tensors, input_tensors), opts.asyncOp)
 
-        def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-            for out, chunk in zip(output_tensors, recv_chunks):
-                _write(out, chunk)
-            return list(output_tensors)
-
-        recv_counts = [_word_count(t) for t in output_tensors]
-        return self._uneven_alltoall(op, send_chunks, recv_counts, finish, opts.asyncOp)
-
-    def _uneven_alltoall(
-        self,
-        op: str,
-        send_chunks: list[torch.Tensor],
-        recv_counts: list[int],
-        finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-        async_op: bool,
-    ) -> TPUWork:
-        """All-to-all of chunks of any length: pad every chunk to the group's largest.
-
-        The largest chunk is agreed with a one-element MAX all-reduce first (a
-        blocking step), so every rank compiles the same padded program.
-        """
-        size = self.size()
-        local_max = max([c.numel() for c in send_chunks] + recv_counts)
-        agreed = torch.tensor([local_max], dtype=torch.int64)
-        self._launch(op, "allreduce", ("MAX",), [agreed], lambda r: [agreed.copy_(r[0])]).wait()
-        width = int(agreed.item())
-        if width == 0:
-            return TPUWork.completed(op, finish([c.new_empty(0) for c in send_chunks]))
-        padded = send_chunks[0].new_zeros(size, width)
-        for peer, chunk in enumerate(send_chunks):
-            padded[peer, : chunk.numel()] = chunk
-
-        def unpad(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            rows = results[0].view(size, width)
-            return finish([rows[peer, : recv_counts[peer]] for peer in range(size)])
-
-        return self._launch(op, "alltoall", (), [padded.view(-1)], unpad, async_op=async_op)
+    def barrier(self, opts: dist.BarrierOptions) -> TPUWork:
+        return self._run(_plan.barrier(self._view), opts.asyncOp)
 
     # -- point to point -----------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TPUWork:
-        work = self._queue_p2p("send", tensors, dst, tag, is_send=True)
+        work = self._queue_p2p(_plan.p2p(self._view, "send", tensors, dst, tag))
         if self.size() > 2 and self._store is not None:
             # Count the send where a receiver from any source can see it (recv_anysource).
             self._store.add(_sent_key(self.rank(), dst, tag), 1)
         return work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TPUWork:
-        work = self._queue_p2p("recv", tensors, src, tag, is_send=False)
+        work = self._queue_p2p(_plan.p2p(self._view, "recv", tensors, src, tag))
         self._received[(src, tag)] = self._received.get((src, tag), 0) + 1
         return work
 
@@ -1120,40 +716,23 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
-    def _check_p2p(
-        self, op: str, tensors: list[torch.Tensor], peer: int, *, is_send: bool
-    ) -> torch.Tensor:
-        """The one tensor of a send/recv to group rank ``peer``, checked."""
-        tensor = _checks.check_single(op, tensors)
-        _checks.check_rank(op, peer, self.size(), "dst" if is_send else "src")
-        if not is_send:
-            _checks.check_output(op, tensor, "tensor")
-        if peer == self.rank():
-            raise ValueError(
-                f"{op}: rank {self.rank()} cannot {op} to itself on the 'tpu' backend; "
-                "copy the tensor locally instead."
-            )
-        return tensor
-
-    def _queue_p2p(
-        self, op: str, tensors: list[torch.Tensor], peer: int, tag: int, *, is_send: bool
-    ) -> TPUWork:
-        tensor = self._check_p2p(op, tensors, peer, is_send=is_send)
+    def _queue_p2p(self, plan: _plan.P2PPlan) -> TPUWork:
+        """Queue a planned send/recv (dispatched by the next flush, module doc)."""
         work = TPUWork(
-            f"{op} (peer {peer}, tag {tag})",
+            plan.description,
             poll=self._poll,
             explain=lambda err: self._explain_p2p(err, p2p_op),
             before_wait=_p2p_queue.flush,
         )
-        p2p_op = _P2POp(work, self, is_send, self._global_ranks[peer], int(tag), tensor)
+        p2p_op = _P2POp(work, self, plan)
         _p2p_queue.add(p2p_op)
         return work
 
     def _explain_p2p(self, err: BaseException, op: _P2POp) -> dist.DistBackendError:
-        me = _runtime.info().rank
-        low, high = sorted((me, op.peer))
+        low, high = op.plan.pair
         return _watchdog.explain_failure(
-            err, op.work.description, f"p2p:{low}-{high}", op.seq, [low, high], me
+            err, op.work.description, f"p2p:{low}-{high}", op.seq, [low, high],
+            _runtime.info().rank,
         )
 
     def _dispatch_p2p(self, op: _P2POp, block: bool) -> None:
@@ -1164,48 +743,29 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         A program that cannot be started fails ``op.work``, never the caller (which may be
         an unrelated collective flushing the queue).
         """
-        me = _runtime.info().rank
-        src, dst = (me, op.peer) if op.is_send else (op.peer, me)
-        devices = _runtime.global_devices()
-        low, high = sorted((src, dst))
-        tensor = op.tensor
-        words = _words(tensor)
-        if words.numel() == 0:
-            op.work.start((), lambda outs: [tensor])
+        plan = op.plan
+        if plan.key is None:
+            op.work.start((), plan.finish)
             return
+        low, high = plan.pair
         pair = f"p2p:{low}-{high}"
         op.seq = _p2p_seq[pair] = _p2p_seq.get(pair, 0) + 1
-        meta = ((words.numel(), _DTYPE_NAMES[words.dtype]),)
-        key = ProgramKey(
-            "permute",
-            (devices[low].id, devices[high].id),
-            meta,
-            ((0, 1),) if src == low else ((1, 0),),
-        )
 
         def complete(outs: list) -> list[torch.Tensor]:
-            if not op.is_send:
-                _write(tensor, _runtime.to_torch(outs[0]))
-            return [tensor]
+            return plan.finish([_runtime.to_torch(o) for o in outs])
 
         try:
-            _track(op.work, pair, [low, high], op.seq, "send" if op.is_send else "recv",
-                   meta, (f"tag={op.tag}",), self._timeout)
-            array = _runtime.to_jax(words)
-            pair_devices = [devices[low], devices[high]]
+            _track(op.work, pair, [low, high], op.seq, plan.op, plan.key.blocks,
+                   (f"tag={plan.tag}",), self._timeout)
+            array = _runtime.to_jax(plan.block)
+            devices = [self._devices[r] for r in plan.pair_group_ranks]
             if block and not self._poll:
-                op.work.start(_dispatcher.run_in_order(key, pair_devices, [array]), complete)
+                op.work.start(_dispatcher.run_in_order(plan.key, devices, [array]), complete)
             else:
-                op.work.start_later(_dispatcher.submit(key, pair_devices, [array]), complete)
+                op.work.start_later(_dispatcher.submit(plan.key, devices, [array]), complete)
         except dist.DistBackendError as err:
             op.work.fail(err)
         except Exception as err:
             error = self._explain_p2p(err, op)
             error.__cause__ = err
             op.work.fail(error)
-
-    # -- barrier ---------------------------------------------------------------------------
-
-    def barrier(self, opts: dist.BarrierOptions) -> TPUWork:
-        token = torch.zeros(1, dtype=torch.int32)
-        return self._launch("barrier", "barrier", (), [token], lambda r: [], async_op=opts.asyncOp)

@@ -127,7 +127,7 @@ def check_same(op_name: str, reference: torch.Tensor, other: torch.Tensor, what:
     if other.dtype != reference.dtype:
         raise TypeError(
             f"{op_name}: {what} has dtype {other.dtype}, expected {reference.dtype} "
-            "(the input's dtype)."
+            f"(the input's dtype); pass a {reference.dtype} tensor, e.g. t.to({reference.dtype})."
         )
 
 
@@ -136,7 +136,7 @@ def check_numel(op_name: str, tensor: torch.Tensor, expected: int, what: str) ->
     if tensor.numel() != expected:
         raise ValueError(
             f"{op_name}: {what} has {tensor.numel()} elements (shape "
-            f"{tuple(tensor.shape)}), expected {expected}."
+            f"{tuple(tensor.shape)}), expected {expected}; pass a tensor of {expected} elements."
         )
 
 
@@ -145,7 +145,7 @@ def check_list(op_name: str, tensors: Sequence[torch.Tensor], size: int, what: s
     if len(tensors) != size:
         raise ValueError(
             f"{op_name}: {what} has {len(tensors)} tensors, expected one per rank of "
-            f"the group (group size {size})."
+            f"the group (group size {size}); pass a list of {size} tensors."
         )
 
 
@@ -154,7 +154,8 @@ def check_rank(op_name: str, rank: int, size: int, what: str) -> None:
     if not 0 <= rank < size:
         raise ValueError(
             f"{op_name}: {what} {rank} is not a rank of this group (group ranks are "
-            f"0..{size - 1})."
+            f"0..{size - 1}); pass a rank of the group (torch.distributed's functions take "
+            "global ranks and translate them)."
         )
 
 
@@ -173,13 +174,16 @@ def check_splits(
     if len(splits) != size:
         raise ValueError(
             f"{op_name}: {what} split sizes {splits} have {len(splits)} entries, "
-            f"expected one per rank (group size {size})."
+            f"expected one per rank (group size {size}); pass {size} split sizes."
         )
     if any(s < 0 for s in splits):
-        raise ValueError(f"{op_name}: {what} split sizes {splits} contain a negative size.")
+        raise ValueError(
+            f"{op_name}: {what} split sizes {splits} contain a negative size; every split "
+            "size must be 0 or more."
+        )
     if sum(splits) != rows:
         raise ValueError(
             f"{op_name}: {what} split sizes {splits} sum to {sum(splits)}, but dim 0 "
-            f"of the tensor has {rows} rows."
+            f"of the tensor has {rows} rows; the split sizes must add up to {rows}."
         )
     return splits

@@ -15,9 +15,10 @@ devices, block sizes, dtypes) and kept; :func:`compile_count` tells how many
 compilations this process has done, so tests can check that a steady loop
 compiles nothing new.
 
-On the CPU platform, reduce-scatters and small all-reduces and all-gathers run as
-all-to-all exchanges instead of XLA's own rings, which are slow there
-(:func:`exchanges_directly`).
+The algorithm is part of the key (:attr:`ProgramKey.algorithm`), chosen when the call is
+planned (:func:`tpu_dist.collectives._plan.choose_algorithm`: on the CPU platform,
+reduce-scatters and small all-reduces and all-gathers run as all-to-all exchanges instead of
+XLA's own rings, which are slow there); lowering follows it.
 
 Data-movement programs (gather, scatter, broadcast, all-to-all, permute) move
 raw words (int8/16/32 views of any dtype), so they are exact for every dtype
@@ -57,6 +58,13 @@ class ProgramKey:
     """(length, dtype name) of each argument's block."""
     params: tuple = ()
     """Op-specific constants: reduce op name, root, factor, permutation."""
+    algorithm: str | None = None
+    """How the program carries out its kind: ``"xla"`` (XLA's own collective), ``"exchange"``
+    (direct all-to-all exchanges), ``"gather_reduce"`` (all-gather, then reduce locally); see
+    :data:`tpu_dist.collectives._plan.Algorithm`. The backend's keys always carry the one
+    :func:`~tpu_dist.collectives._plan.choose_algorithm` chose; None (a key built by hand)
+    means "as the backend would choose", which
+    :func:`tpu_dist.collectives.compile_only.compile_collective` resolves for its devices."""
 
 
 @dataclass(frozen=True)
@@ -123,75 +131,21 @@ def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
     return _jaxlib.loaded_execute(compiled)
 
 
-DIRECT_EXCHANGE_MAX_BYTES = 256 * 1024
-"""On CPU, all-reduces and all-gathers of at most this many bytes per rank (summed over a
-call's tensors; all-gather: its output) exchange chunks directly (:func:`exchanges_directly`)."""
-
-
-def exchanges_directly(key: ProgramKey, devices: Sequence[jax.Device]) -> bool:
-    """Whether ``key``'s program is the direct-exchange variant of its op (all-to-alls).
-
-    Only on CPU: TPU collectives ride ICI, where XLA's own algorithms are the ones to use.
-    Measured on CPU (bare programs, benchmarks/README.md, E22):
-
-    * reduce_scatter, every size: XLA:CPU's reduce-scatter copies its input to a temporary
-      and runs gloo's halving-doubling on it; an all-to-all sends each chunk straight to its
-      owner. 16 MiB: 2 ranks 13.6 vs 19.3 ms, 4 ranks 23.6 vs 38.2 ms (gloo 16.7, 36.2).
-    * all_reduce and all_gather up to :data:`DIRECT_EXCHANGE_MAX_BYTES`: a ring takes
-      ``size - 1`` rounds of messages per pass, and on a busy host every round waits for a
-      thread to be scheduled, while an all-to-all posts every message at once. 160 KB
-      all_reduce: 2 ranks 0.70 vs 1.12 ms, 4 ranks 3.2 vs 7.3 ms (gloo 6.5). Large messages
-      are bound by copies, where the ring wins (16 MiB all_reduce, 2 ranks: 23.5 vs 18.6 ms).
-    """
-    if key.kind not in _DIRECT_BODIES or len(devices) < 2 or devices[0].platform != "cpu":
-        return False
-    if key.kind == "reduce_scatter":
-        return True
-    lengths = [length for length, _ in key.blocks]
-    if min(lengths) == 0:
-        return False
-    per_rank = sum(length * jnp.dtype(dtype).itemsize for length, dtype in key.blocks)
-    if key.kind == "allgather":
-        per_rank *= len(devices)
-    return per_rank <= DIRECT_EXCHANGE_MAX_BYTES
-
-
-_TPU_EMULATED_DTYPES = frozenset({"float64", "int64", "uint64", "complex64", "complex128"})
-"""Dtypes the TPU has no native type for: XLA:TPU rewrites them into 32-bit words, and its
-collectives then support only part of them (see :func:`avoids_tpu_wide_reductions`)."""
-
-
-def avoids_tpu_wide_reductions(key: ProgramKey, devices: Sequence[jax.Device]) -> bool:
-    """Whether ``key``'s reduction must avoid XLA:TPU's own collective for its dtypes.
-
-    XLA:TPU emulates 64-bit and complex types with 32-bit words, and its collectives support
-    only part of that (libtpu 0.0.52, checked in ``tests/test_tpu_compile.py``):
-
-    * all-reduce of float64/int64 with max or min: ``UNIMPLEMENTED: Supported lowering only of
-      Sum all reduce``; sum works (for complex too);
-    * reduce-scatter of float64 (any op): ``Supported lowering only of Sum reduce-scatter``;
-      of complex64/complex128: ``... not to contain X{64|128} element types ...``.
-
-    Such programs reduce after an exchange instead: max/min all-reduces all-gather and reduce
-    locally (as PRODUCT and bitwise ops always do), reduce-scatters are an all-to-all and a
-    local reduction (the CPU variant, :func:`exchanges_directly`): the same bytes per rank for
-    a reduce-scatter, ``size`` times the input for the all-gather, on types that are rare in
-    collectives.
-    """
-    if not devices or devices[0].platform != "tpu" or key.kind not in _TPU_WIDE_BODIES:
-        return False
-    return any(dtype in _TPU_EMULATED_DTYPES for _, dtype in key.blocks)
-
-
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
-    """The per-block function ``key``'s program runs under ``shard_map`` over ``devices``."""
-    if avoids_tpu_wide_reductions(key, devices):
-        bodies = _TPU_WIDE_BODIES
-    elif exchanges_directly(key, devices):
-        bodies = _DIRECT_BODIES
-    else:
-        bodies = _BODIES
-    return bodies[key.kind](len(devices), *key.params)
+    """The per-block function ``key``'s program runs under ``shard_map`` over ``devices``.
+
+    Raises:
+        ValueError: ``key.algorithm`` is None or has no program for ``key.kind``.
+    """
+    factory = _ALGORITHMS.get(key.algorithm, {}).get(key.kind)
+    if factory is None:
+        raise ValueError(
+            f"{key.kind}: no program for algorithm {key.algorithm!r}; choose one with "
+            "tpu_dist.collectives._plan.choose_algorithm (algorithms per kind: "
+            + "; ".join(f"{a}: {', '.join(sorted(b))}" for a, b in _ALGORITHMS.items())
+            + ")."
+        )
+    return factory(len(devices), *key.params)
 
 
 def _compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
@@ -408,9 +362,8 @@ _DIRECT_BODIES: dict[str, Callable] = {
     "reduce_scatter": _reduce_scatter_direct,
 }
 
-_TPU_WIDE_BODIES: dict[str, Callable] = {
+_GATHER_REDUCE_BODIES: dict[str, Callable] = {
     "allreduce": functools.partial(_allreduce, gather_min_max=True),
-    "reduce_scatter": _reduce_scatter_direct,
 }
 
 _BODIES: dict[str, Callable] = {
@@ -422,6 +375,13 @@ _BODIES: dict[str, Callable] = {
     "scatter": _scatter,
     "permute": _permute,
     "barrier": _barrier,
+}
+
+#: ProgramKey.algorithm -> the body factory of each kind it has a program for.
+_ALGORITHMS: dict[str | None, dict[str, Callable]] = {
+    "xla": _BODIES,
+    "exchange": _DIRECT_BODIES,
+    "gather_reduce": _GATHER_REDUCE_BODIES,
 }
 
 

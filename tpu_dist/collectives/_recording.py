@@ -19,13 +19,14 @@ from __future__ import annotations
 import os
 import threading
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
-from tpu_dist.collectives._backend import ProcessGroupTPU, _words
+from tpu_dist.collectives import _plan
+from tpu_dist.collectives._backend import ProcessGroupTPU
 from tpu_dist.collectives._lowering import ProgramKey
 from tpu_dist.collectives._work import TPUWork
 
@@ -169,49 +170,28 @@ class RecordingProcessGroup(ProcessGroupTPU):
         super().__init__(rank, size, global_ranks, timeout, devices=devices)
         self._check_calls = False  # the DETAIL check would be a collective of its own
 
-    def _launch(
-        self,
-        description: str,
-        kind: str,
-        params: tuple,
-        blocks: Sequence[torch.Tensor],
-        finish: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-        *,
-        async_op: bool = False,
-    ) -> TPUWork:
-        if all(b.numel() == 0 for b in blocks):
-            return TPUWork.completed(description, finish([b.new_empty(0) for b in blocks]))
-        meta = tuple((b.numel(), str(b.dtype).removeprefix("torch.")) for b in blocks)
-        checked_broadcast = kind == "broadcast" and params[-1] is True
+    def _launch(self, plan: _plan.Plan, *, async_op: bool = False) -> TPUWork:
+        # The plan is the backend's own (same checks, blocks and key): record its program and
+        # complete at once with fake results (module doc).
+        if plan.key is None:
+            return TPUWork.completed(plan.op, plan.finish([]))
+        key = plan.key
+        checked_broadcast = key.kind == "broadcast" and key.params[-1] is True
         # The program compiled is the one the backend runs; a checked broadcast's 8-byte src
         # header is not the job's data, so its size is counted without it.
-        recorder.add(description, self, ProgramKey(kind, self._device_ids, meta, params),
-                     data_blocks=meta[:-1] if checked_broadcast else None)
-        results = [_fake_output(kind, self.size(), self.rank(), b) for b in blocks]
+        recorder.add(plan.op, self, key,
+                     data_blocks=key.blocks[:-1] if checked_broadcast else None)
+        results = [_fake_output(key.kind, self.size(), self.rank(), b) for b in plan.blocks]
         if checked_broadcast:  # every rank agrees on src here: the header summed over ranks
-            results[-1] = blocks[-1] * self.size()
-        return TPUWork.completed(description, finish(results))
+            results[-1] = plan.blocks[-1] * self.size()
+        return TPUWork.completed(plan.op, plan.finish(results))
 
-    def _queue_p2p(
-        self, op: str, tensors: list[torch.Tensor], peer: int, tag: int, *, is_send: bool
-    ) -> TPUWork:
-        # The same checks as the real group, then the two-device permute program it would run.
-        tensor = self._check_p2p(op, tensors, peer, is_send=is_send)
-        words = _words(tensor)
-        me, other = self._global_ranks[self.rank()], self._global_ranks[peer]
-        src, dst = (me, other) if is_send else (other, me)
-        low, high = sorted((src, dst))
-        pair = ((0, 1),) if src == low else ((1, 0),)
-        if words.numel():
-            devices = {r: d for r, d in zip(self._global_ranks, self._devices)}
-            key = ProgramKey(
-                "permute",
-                (devices[low].id, devices[high].id),
-                ((words.numel(), str(words.dtype).removeprefix("torch.")),),
-                pair,
-            )
-            recorder.add(op, _PairView(low, high, self), key)
-        return TPUWork.completed(f"{op} (peer {peer}, tag {tag})", [tensor])
+    def _queue_p2p(self, plan: _plan.P2PPlan) -> TPUWork:
+        # The backend's own plan (same checks), then the two-device permute program it would
+        # run, recorded instead of queued.
+        if plan.key is not None:
+            recorder.add(plan.op, _PairView(*plan.pair, self), plan.key)
+        return TPUWork.completed(plan.description, plan.finish([]))
 
 
 @dataclass(frozen=True)

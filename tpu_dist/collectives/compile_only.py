@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpu_dist.collectives import _jaxlib, _lowering, _runtime
+from tpu_dist.collectives import _jaxlib, _lowering, _plan, _runtime
 from tpu_dist.collectives._lowering import ProgramKey
 
 if TYPE_CHECKING:
@@ -212,14 +212,19 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
 
     Returns:
         The compiled program, its HLO text, its collectives and its scratch memory. The program
-        is the one the backend would run on these devices, chosen by the same rules (on TPU,
-        XLA's own collectives; see ``_lowering.body_for``); it is not cached and does not count
+        is the one the backend would run on these devices: ``key.algorithm`` if set, else the
+        one the backend chooses for these devices (on TPU, XLA's own collectives except where
+        XLA:TPU lacks them; see ``_plan.choose_algorithm``); it is not cached and does not count
         in :func:`tpu_dist.collectives.compile_count`.
 
     Raises:
         TypeError: a dtype the TPU cannot compile collectives for (complex128).
         jax.errors.JaxRuntimeError: the TPU compiler rejected the program (a lowering bug).
     """
+    if key.algorithm is None:
+        platform = devices[0].platform if devices else "tpu"
+        algorithm = _plan.choose_algorithm(key.kind, key.blocks, key.params, platform, len(devices))
+        key = dataclasses.replace(key, algorithm=algorithm)
     lowered = _lowering.lower(key, devices)
     with _runtime.x64_scope(), _jaxlib.uncached():
         compiled = lowered.compile()

@@ -1,0 +1,318 @@
+"""The plan stage in one process: blocks, program keys, algorithms, finish steps, bad input.
+
+No JAX device runs anything here: a plan is made from a call's arguments and a
+:class:`GroupView`, so each op is checked against expectations written out by hand (the bytes a
+block must hold, the key every rank must agree on, what a finish step writes).
+
+Groups used below:
+    CPU2   2 ranks on CPU devices (10, 11), this process is group rank 0 (global rank 4 of (4, 6))
+    CPU4   4 ranks on CPU devices (0, 1, 2, 3), this process is group rank 1
+    TPU4   4 ranks on TPU devices (0, 1, 2, 3), this process is group rank 2
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpu_dist.collectives import ProgramKey, _lowering, _plan
+from tpu_dist.collectives._plan import GroupView, choose_algorithm
+
+CPU2 = GroupView(0, 2, (10, 11), "cpu", (4, 6), "g2")
+CPU4 = GroupView(1, 4, (0, 1, 2, 3), "cpu")
+TPU4 = GroupView(2, 4, (0, 1, 2, 3), "tpu")
+
+SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
+
+LIMIT = 256 * 1024  # bytes per rank up to which small CPU all-reduces/all-gathers exchange
+
+
+def _shares(block: torch.Tensor, tensor: torch.Tensor) -> bool:
+    return block.data_ptr() == tensor.data_ptr()
+
+
+# -- blocks and keys ------------------------------------------------------------------------
+
+
+def test_all_reduce_block_is_the_tensor_and_finish_writes_it() -> None:
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    plan = _plan.all_reduce(CPU2, [t], SUM)
+    assert plan.op == "all_reduce"
+    assert plan.key == ProgramKey("allreduce", (10, 11), ((6, "float32"),), ("SUM",), "exchange")
+    (block,) = plan.blocks
+    assert _shares(block, t) and block.shape == (6,)
+    result = torch.tensor([10.0, 11, 12, 13, 14, 15])
+    assert plan.finish([result]) == [t]
+    assert t.tolist() == [[10, 11, 12], [13, 14, 15]]
+
+
+def test_reduction_blocks_by_dtype() -> None:
+    # bool: 0/1 bytes, SUM is "any" (a MAX); complex: (real, imag) pairs of its real dtype.
+    flags = torch.tensor([True, False, True])
+    plan = _plan.all_reduce(CPU2, [flags], SUM)
+    assert plan.key.blocks == ((3, "uint8"),) and plan.key.params == ("MAX",)
+    assert plan.blocks[0].tolist() == [1, 0, 1]
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    plan = _plan.all_reduce(CPU2, [z], AVG)
+    assert plan.key.blocks == ((4, "float32"),) and plan.key.params == ("AVG",)
+    assert plan.blocks[0].tolist() == [1.0, 2.0, 3.0, -4.0]
+    plan = _plan.all_reduce(CPU2, [torch.ones(3)], dist._make_nccl_premul_sum(0.25))
+    assert plan.key.params == ("PREMUL_SUM", 0.25)
+
+
+def test_data_movement_moves_words() -> None:
+    # bfloat16 -> int16 words, float64 -> two int32 words per element, int8 stays int8.
+    x = torch.arange(5, dtype=torch.bfloat16)
+    out = torch.empty(20, dtype=torch.bfloat16)
+    plan = _plan.all_gather_into_tensor(CPU4, out, x)
+    assert plan.key == ProgramKey("allgather", (0, 1, 2, 3), ((5, "int16"),), (), "exchange")
+    assert _shares(plan.blocks[0], x)
+    gathered = torch.arange(20, dtype=torch.bfloat16).view(torch.int16)
+    plan.finish([gathered])
+    assert out.tolist() == list(range(20))
+    d = torch.zeros(3, dtype=torch.float64)
+    plan = _plan.broadcast(CPU4, [d], 0)
+    assert plan.key.blocks == ((6, "int32"), (2, "int32"))
+
+
+def test_all_gather_lists_get_one_row_each() -> None:
+    outs = [torch.empty(2, dtype=torch.int32) for _ in range(4)]
+    plan = _plan.all_gather(CPU4, [outs], [torch.tensor([7, 8], dtype=torch.int32)])
+    assert plan.key.kind == "allgather" and plan.key.blocks == ((2, "int32"),)
+    plan.finish([torch.arange(8, dtype=torch.int32)])
+    assert [o.tolist() for o in outs] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_reduce_writes_only_on_the_root() -> None:
+    t = torch.ones(2)
+    plan = _plan.reduce(CPU4, [t], 3, SUM)  # this process is rank 1, the root is 3
+    assert plan.key.kind == "allreduce"
+    plan.finish([torch.full((2,), 4.0)])
+    assert t.tolist() == [1.0, 1.0]
+    plan = _plan.reduce(CPU4, [t], 1, SUM)
+    plan.finish([torch.full((2,), 4.0)])
+    assert t.tolist() == [4.0, 4.0]
+
+
+def test_reduce_scatter_tensor_block_and_key() -> None:
+    full = torch.arange(8, dtype=torch.float32)
+    chunk = torch.empty(2)
+    plan = _plan.reduce_scatter_tensor(CPU4, chunk, full, SUM)
+    assert plan.key == ProgramKey("reduce_scatter", (0, 1, 2, 3), ((8, "float32"),), ("SUM",),
+                                  "exchange")
+    assert _shares(plan.blocks[0], full)
+    plan.finish([torch.tensor([5.0, 6.0])])
+    assert chunk.tolist() == [5.0, 6.0]
+    # the list form stacks input_list[r] in rank order
+    inputs = [torch.full((2,), float(r)) for r in range(4)]
+    plan = _plan.reduce_scatter(CPU4, [chunk], [inputs], SUM)
+    assert plan.blocks[0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_broadcast_header_checks_every_rank_passed_the_same_src() -> None:
+    t = torch.tensor([1.0, 2.0])
+    plan = _plan.broadcast(CPU2, [t], 1)
+    assert plan.key.kind == "broadcast" and plan.key.params == (1, True)
+    assert plan.blocks[1].tolist() == [2, 4]  # (src + 1, (src + 1)**2)
+    root_data = torch.tensor([5.0, 6.0]).view(torch.int32)
+    plan.finish([root_data, torch.tensor([4, 8], dtype=torch.int32)])  # 2 ranks agreed on src 1
+    assert t.tolist() == [5.0, 6.0]
+    # rank 1 said src=0: the sums are (2 + 1, 4 + 1), not (4, 8)
+    t = torch.tensor([1.0, 2.0])
+    plan = _plan.broadcast(CPU2, [t], 1)
+    with pytest.raises(dist.DistBackendError) as info:
+        plan.finish([root_data, torch.tensor([3, 5], dtype=torch.int32)])
+    message = str(info.value)
+    assert "rank 4 of group 'g2'" in message and "src=1" in message
+    assert "Every rank must pass the same src" in message
+    assert t.tolist() == [1.0, 2.0]
+
+
+def test_scatter_blocks_on_root_and_elsewhere() -> None:
+    out = torch.empty(2, dtype=torch.int32)
+    parts = [torch.full((2,), r, dtype=torch.int32) for r in range(4)]
+    plan = _plan.scatter(CPU4, [out], [parts], 1)  # this process is the root
+    assert plan.key == ProgramKey("scatter", (0, 1, 2, 3), ((8, "int32"),), (1,), "xla")
+    assert plan.blocks[0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    plan = _plan.scatter(CPU4, [out], [], 0)
+    assert plan.blocks[0].tolist() == [0] * 8
+
+
+def test_even_all_to_all_is_one_program() -> None:
+    x = torch.arange(8, dtype=torch.int16).reshape(4, 2)
+    out = torch.empty(4, 2, dtype=torch.int16)
+    plan = _plan.all_to_all_single(CPU4, out, x, [], [])
+    assert plan.then is None
+    assert plan.key == ProgramKey("alltoall", (0, 1, 2, 3), ((8, "int16"),), (), "xla")
+
+
+def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
+    # rank 0 of 2 sends 1 row to itself and 3 to rank 1, and receives 1 and 2 rows.
+    x = torch.arange(4, dtype=torch.int32)
+    out = torch.zeros(3, dtype=torch.int32)
+    plan = _plan.all_to_all_single(CPU2, out, x, [1, 2], [1, 3])
+    assert plan.key == ProgramKey("allreduce", (10, 11), ((1, "int64"),), ("MAX",), "exchange")
+    assert plan.blocks[0].tolist() == [3]
+    agreed = plan.finish([torch.tensor([3])])
+    padded = plan.then(agreed)
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((6, "int32"),), (), "xla")
+    assert padded.blocks[0].tolist() == [0, 0, 0, 1, 2, 3]  # row per peer, width 3
+    # rank 0 got [0 . .] from itself, [7 8 .] from rank 1
+    padded.finish([torch.tensor([0, 0, 0, 7, 8, 0], dtype=torch.int32)])
+    assert out.tolist() == [0, 7, 8]
+    # nothing to move anywhere: no second program
+    empty = _plan.all_to_all_single(CPU2, torch.zeros(0), torch.zeros(0), [0, 0], [0, 0])
+    assert empty.then([torch.tensor([0])]).key is None
+
+
+def test_empty_blocks_stay_out_of_the_program() -> None:
+    t = torch.empty(0, 3)
+    plan = _plan.all_reduce(CPU2, [t], SUM)
+    assert plan.key is None and plan.blocks == ()
+    assert plan.finish([]) == [t]
+    a, b = torch.empty(0), torch.ones(2)
+    plan = _plan.all_reduce_coalesced(CPU2, [a, b], SUM)
+    assert plan.key.blocks == ((2, "float32"),)
+    assert plan.finish([torch.tensor([3.0, 4.0])]) == [a, b] and b.tolist() == [3.0, 4.0]
+
+
+def test_barrier_and_p2p_keys() -> None:
+    assert _plan.barrier(CPU4).key == ProgramKey("barrier", (0, 1, 2, 3), ((1, "int32"),), (),
+                                                 "xla")
+    # CPU2 is global ranks (4, 6) on devices (10, 11); this process is global rank 4.
+    send = _plan.p2p(CPU2, "send", [torch.ones(3)], 1, 7)
+    assert send.key == ProgramKey("permute", (10, 11), ((3, "int32"),), ((0, 1),), "xla")
+    assert (send.peer, send.pair, send.tag) == (6, (4, 6), 7)
+    recv = _plan.p2p(CPU2, "recv", [torch.ones(3)], 1, 7)
+    assert recv.key.params == ((1, 0),)  # the higher rank sends
+    view = GroupView(1, 2, (10, 11), "cpu", (4, 6))  # global rank 6 sends to 4
+    assert _plan.p2p(view, "send", [torch.ones(3)], 0, 0).key.params == ((1, 0),)
+    assert _plan.p2p(CPU2, "send", [torch.ones(0)], 1, 0).key is None
+
+
+# -- algorithms --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("size", "itemsize", "dtype"), [(2, 4, "float32"), (4, 2, "bfloat16")])
+def test_small_cpu_all_reduces_exchange_up_to_the_limit(size: int, itemsize: int, dtype: str) -> None:
+    at = LIMIT // itemsize
+    assert choose_algorithm("allreduce", ((at, dtype),), ("SUM",), "cpu", size) == "exchange"
+    assert choose_algorithm("allreduce", ((at + 1, dtype),), ("SUM",), "cpu", size) == "xla"
+    # a coalesced call counts the bytes of all its blocks
+    half = ((at // 2, dtype), (at // 2 + 1, dtype))
+    assert choose_algorithm("allreduce", half, ("SUM",), "cpu", size) == "xla"
+
+
+def test_small_cpu_all_gathers_count_their_output() -> None:
+    # 4 ranks of int32: the output holds 4 blocks, so the limit is a quarter as many words.
+    at = LIMIT // (4 * 4)
+    assert choose_algorithm("allgather", ((at, "int32"),), (), "cpu", 4) == "exchange"
+    assert choose_algorithm("allgather", ((at + 1, "int32"),), (), "cpu", 4) == "xla"
+
+
+def test_algorithm_rules() -> None:
+    big = ((10**7, "float32"),)
+    assert choose_algorithm("reduce_scatter", big, ("SUM",), "cpu", 2) == "exchange"
+    assert choose_algorithm("reduce_scatter", big, ("SUM",), "tpu", 2) == "xla"
+    assert choose_algorithm("reduce_scatter", big, ("MAX",), "tpu", 2) == "exchange"
+    assert choose_algorithm("allreduce", big, ("PRODUCT",), "cpu", 2) == "gather_reduce"
+    assert choose_algorithm("allreduce", ((8, "int32"),), ("BXOR",), "tpu", 4) == "gather_reduce"
+    assert choose_algorithm("allreduce", ((8, "float32"),), ("MAX",), "tpu", 4) == "xla"
+    # XLA:TPU emulates 64-bit types: no max/min all-reduce, no reduce-scatter at all
+    wide = ((8, "float64"),)
+    assert choose_algorithm("allreduce", wide, ("MAX",), "tpu", 4) == "gather_reduce"
+    assert choose_algorithm("allreduce", wide, ("SUM",), "tpu", 4) == "xla"
+    assert choose_algorithm("reduce_scatter", wide, ("SUM",), "tpu", 4) == "exchange"
+    # one device: nothing to exchange; data movement keeps XLA's own
+    assert choose_algorithm("allreduce", ((8, "float32"),), ("SUM",), "cpu", 1) == "xla"
+    assert choose_algorithm("alltoall", ((8, "int32"),), (), "cpu", 4) == "xla"
+    assert choose_algorithm("broadcast", ((8, "int32"), (2, "int32")), (0, True), "cpu", 4) == "xla"
+
+
+def test_plans_carry_the_algorithm_of_their_platform() -> None:
+    t = torch.ones(4, dtype=torch.float64)
+    assert _plan.all_reduce(CPU4, [t], MAX).key.algorithm == "exchange"
+    assert _plan.all_reduce(TPU4, [t], MAX).key.algorithm == "gather_reduce"
+    assert _plan.all_reduce(TPU4, [t], SUM).key.algorithm == "xla"
+
+
+def test_lowering_follows_the_key_and_refuses_no_algorithm() -> None:
+    devices = [object(), object()]
+    key = ProgramKey("allreduce", (0, 1), ((4, "float32"),), ("SUM",))
+    assert key.algorithm is None
+    with pytest.raises(ValueError, match="no program for algorithm None"):
+        _lowering.body_for(key, devices)
+    with pytest.raises(ValueError, match="alltoall: no program for algorithm 'exchange'"):
+        _lowering.body_for(ProgramKey("alltoall", (0, 1), ((4, "int32"),), (), "exchange"),
+                           devices)
+
+
+# -- validation: the op, the values, what to do ------------------------------------------------
+
+
+def _message(error: type[Exception], call, *args) -> str:
+    with pytest.raises(error) as info:
+        call(*args)
+    return str(info.value)
+
+
+def test_wrong_output_size() -> None:
+    msg = _message(ValueError, _plan.all_gather_into_tensor, CPU4, torch.empty(7),
+                   torch.empty(2))
+    assert msg.startswith("all_gather_into_tensor: output has 7 elements")
+    assert "expected 8" in msg and "pass a tensor of 8 elements" in msg
+
+
+def test_reduce_op_not_defined_for_dtype() -> None:
+    msg = _message(TypeError, _plan.all_reduce, CPU2, [torch.ones(2, dtype=torch.int32)], AVG)
+    assert msg.startswith("all_reduce: ReduceOp.AVG is not supported for dtype torch.int32")
+    assert "SUM and divide afterwards" in msg
+    msg = _message(TypeError, _plan.reduce_scatter_tensor, CPU2, torch.ones(2),
+                   torch.ones(4), dist.ReduceOp.BAND)
+    assert "reduce_scatter_tensor: ReduceOp.BAND" in msg and "integer or bool" in msg
+
+
+def test_bad_roots_and_peers() -> None:
+    msg = _message(ValueError, _plan.broadcast, CPU2, [torch.ones(2)], 2)
+    assert msg.startswith("broadcast: src 2 is not a rank of this group (group ranks are 0..1)")
+    assert "pass a rank of the group" in msg
+    msg = _message(ValueError, _plan.p2p, CPU2, "send", [torch.ones(2)], 0, 0)
+    assert "send: rank 0 cannot send to itself" in msg and "copy the tensor locally" in msg
+    msg = _message(ValueError, _plan.gather, CPU4, [[torch.empty(1)] * 4], [torch.ones(1)], 0)
+    assert "gather_list must be empty or None on non-root rank 1 (root is 0)" in msg
+
+
+def test_bad_lists_and_splits() -> None:
+    msg = _message(ValueError, _plan.all_gather, CPU4, [[torch.empty(2)] * 3], [torch.ones(2)])
+    assert "all_gather: output tensor list has 3 tensors" in msg
+    assert "group size 4" in msg and "pass a list of 4 tensors" in msg
+    msg = _message(ValueError, _plan.all_to_all_single, CPU2, torch.empty(3), torch.empty(4),
+                   [1, 2], [1, 2])
+    assert "all_to_all_single: input split sizes [1, 2] sum to 3" in msg
+    assert "must add up to 4" in msg
+    msg = _message(ValueError, _plan.all_to_all_single, CPU4, torch.empty(3), torch.empty(3),
+                   [], [])
+    assert "3 rows in dim 0, which does not split evenly over 4 ranks" in msg
+    assert "pass explicit split sizes" in msg
+
+
+def test_mixed_dtypes() -> None:
+    msg = _message(TypeError, _plan.all_gather_into_tensor, CPU2,
+                   torch.empty(4, dtype=torch.float16), torch.ones(2))
+    assert "output has dtype torch.float16, expected torch.float32" in msg
+    assert "t.to(torch.float32)" in msg
+    msg = _message(TypeError, _plan.all_reduce_coalesced, CPU2,
+                   [torch.ones(2), torch.ones(2, dtype=torch.bool)], SUM)
+    assert "all_reduce_coalesced" in msg and "coalesce tensors of one kind" in msg
+
+
+def test_bad_tensors() -> None:
+    msg = _message(TypeError, _plan.all_reduce, CPU2, [torch.ones(2, dtype=torch.uint16)], SUM)
+    assert "all_reduce: dtype torch.uint16 of tensor is not supported" in msg
+    assert "supported: float32" in msg
+    msg = _message(ValueError, _plan.all_reduce, CPU2, [torch.ones(2), torch.ones(2)], SUM)
+    assert "takes one tensor per call, got 2" in msg and "_coalesced" in msg
+    expanded = torch.zeros(1).expand(4)
+    msg = _message(ValueError, _plan.all_gather_into_tensor, CPU2, expanded, torch.ones(2))
+    assert "share memory" in msg and "torch.empty_like" in msg

@@ -1,0 +1,831 @@
+"""The *plan* stage of a "tpu" collective: pure functions from a c10d call to a :class:`Plan`.
+
+A collective's life is plan -> track -> dispatch -> complete. This module is the first stage
+and only that: for each op of :class:`~tpu_dist.collectives._backend.ProcessGroupTPU` one
+stateless function that
+
+1. validates the call (raising ``ValueError``/``TypeError`` before anything is sent),
+2. flattens the tensors into the 1-D blocks the program takes (zero-copy views where the
+   layout allows: reductions act on values, data movement on raw words),
+3. chooses the program: its kind *and* its algorithm (:func:`choose_algorithm`), both part of
+   the :class:`~tpu_dist.collectives._lowering.ProgramKey`,
+4. and returns them with the finish step that copies the result blocks into the outputs.
+
+Nothing here communicates, touches a JAX device or keeps state: a plan is made from the
+arguments and a :class:`GroupView` (rank, size, device ids, platform), so every function can be
+tested in one process. Example, ``all_reduce`` of a float32 tensor of 3 elements, SUM, on rank 0
+of a 2-rank CPU group over devices (0, 1)::
+
+    plan.op     == "all_reduce"
+    plan.key    == ProgramKey("allreduce", (0, 1), ((3, "float32"),), ("SUM",), "exchange")
+    plan.blocks == (tensor.view(-1),)           # the tensor itself, flat
+    plan.finish([result]) writes result into tensor and returns [tensor]
+
+Every rank of the group makes the same plan kind for the same call (the key is the same on
+every rank, so every rank runs the same program); what differs between ranks is the blocks
+(each rank's data) and, for rooted ops, what the finish step writes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from tpu_dist.collectives import _checks
+from tpu_dist.collectives._lowering import ProgramKey
+
+Algorithm = Literal["xla", "exchange", "gather_reduce"]
+"""How a program carries out its kind (:attr:`ProgramKey.algorithm`):
+
+* ``"xla"``: XLA's own collective for the kind (``psum``, ``all_gather``, ``psum_scatter``, ...),
+  which rides ICI/DCN on TPU with XLA's algorithms;
+* ``"exchange"``: all-reduce, all-gather and reduce-scatter as direct all-to-all exchanges
+  (every chunk sent straight to its owner; reductions done locally);
+* ``"gather_reduce"``: all-reduce as an all-gather and a local reduction (the ops XLA's
+  all-reduce does not have, and min/max of types XLA:TPU emulates).
+"""
+
+Finish = Callable[[list[torch.Tensor]], list[torch.Tensor]]
+"""A plan's finish step: the program's result blocks (torch tensors, in the order of
+:attr:`Plan.blocks`) in, the op's output tensors out (written)."""
+
+DIRECT_EXCHANGE_MAX_BYTES = 256 * 1024
+"""On CPU, all-reduces and all-gathers of at most this many bytes per rank (summed over a
+call's blocks; all-gather: its output) exchange chunks directly (:func:`choose_algorithm`)."""
+
+_TPU_EMULATED_DTYPES = frozenset({"float64", "int64", "uint64", "complex64", "complex128"})
+"""Dtypes the TPU has no native type for: XLA:TPU rewrites them into 32-bit words, and its
+collectives then support only part of them (see :func:`choose_algorithm`)."""
+
+_SUMS = frozenset({"SUM", "AVG", "PREMUL_SUM"})
+_REDUCING_KINDS = ("allreduce", "reduce_scatter")
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """What a plan needs to know about the group: no devices, no runtime."""
+
+    rank: int
+    """This process's rank in the group."""
+    size: int
+    """Number of ranks in the group."""
+    device_ids: tuple[int, ...]
+    """JAX device id of each group rank, in group-rank order."""
+    platform: str
+    """The devices' platform: ``"cpu"`` or ``"tpu"`` (it decides algorithms)."""
+    global_ranks: tuple[int, ...] = ()
+    """Global rank of each group rank (for error messages); default: the group ranks."""
+    name: str = ""
+    """The group's name (for error messages)."""
+
+    @property
+    def global_rank(self) -> int:
+        """This process's global rank."""
+        return self.global_ranks[self.rank] if self.global_ranks else self.rank
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One collective call, planned: the program to run, its input blocks and its finish step.
+
+    ``key`` is None when there is nothing to send (every block empty): the call completes at
+    once with ``finish([])``. ``then`` is set for calls of two programs (an uneven all-to-all
+    first agrees on the widest chunk): run this plan to completion, and ``then(outputs)`` is
+    the plan of the second program.
+    """
+
+    op: str
+    """The op as users know it (``all_reduce``, ``all_gather_into_tensor``)."""
+    key: ProgramKey | None
+    blocks: tuple[torch.Tensor, ...]
+    """This rank's input blocks, 1-D, in the order of ``key.blocks``."""
+    finish: Finish
+    then: Callable[[list[torch.Tensor]], Plan] | None = None
+
+
+@dataclass(frozen=True)
+class P2PPlan:
+    """A send or a receive, planned: a two-device permute program from ``src`` to ``dst``.
+
+    The pair's program runs over the devices of the lower and the higher global rank, in that
+    order (``key.devices``); ``key`` is None for an empty tensor (nothing to move).
+    """
+
+    op: Literal["send", "recv"]
+    description: str
+    """``send (peer 1, tag 0)``."""
+    key: ProgramKey | None
+    block: torch.Tensor
+    """The tensor as raw words (what is sent; a recv's block only gives the program its shape)."""
+    finish: Finish
+    peer: int
+    """Global rank of the other end."""
+    tag: int
+    pair: tuple[int, int]
+    """Global ranks (low, high) of the two ends: the program's devices are theirs."""
+    pair_group_ranks: tuple[int, int]
+    """Group ranks of ``pair``."""
+
+
+# -- algorithms ------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def choose_algorithm(
+    kind: str, blocks: tuple[tuple[int, str], ...], params: tuple, platform: str, size: int
+) -> Algorithm:
+    """The algorithm of ``kind``'s program over ``size`` devices of ``platform``.
+
+    Args:
+        kind: The program kind (``"allreduce"``, ``"allgather"``, ...).
+        blocks: (length, dtype name) of each block, as in :attr:`ProgramKey.blocks`.
+        params: The kind's params (a reducing kind's first one is its reduce op name).
+        platform: ``"cpu"`` or ``"tpu"``.
+        size: Number of devices (group ranks).
+
+    The rules, and why (measured in benchmarks/README.md, E22, and tests/test_tpu_compile.py):
+
+    * TPU, 64-bit or complex blocks: XLA:TPU emulates them with 32-bit words, and its
+      collectives reject part of that (libtpu 0.0.52): an all-reduce of float64/int64 supports
+      only sums (``UNIMPLEMENTED: Supported lowering only of Sum all reduce``), so MAX/MIN
+      become ``"gather_reduce"`` (``size`` times the input moves, on types rare in
+      collectives); a reduce-scatter of float64 supports nothing (``Supported lowering only of
+      Sum reduce-scatter``; complex: ``... not to contain X{64|128} element types ...``), so it
+      is an ``"exchange"`` (the same bytes per rank). tests/test_tpu_compile.py compiles them.
+    * CPU, reduce-scatter at every size: ``"exchange"``. XLA:CPU's reduce-scatter copies its
+      input to a temporary and runs gloo's halving-doubling on it; an all-to-all sends each
+      chunk straight to its owner (16 MiB: 2 ranks 13.6 vs 19.3 ms, 4 ranks 23.6 vs 38.2 ms).
+    * CPU, all-reduce and all-gather up to :data:`DIRECT_EXCHANGE_MAX_BYTES` per rank:
+      ``"exchange"``. A ring takes ``size - 1`` rounds of messages per pass, and on a busy
+      host every round waits for a thread to be scheduled, while an all-to-all posts every
+      message at once (160 KB all_reduce: 2 ranks 0.70 vs 1.12 ms, 4 ranks 3.2 vs 7.3 ms).
+      Larger messages are bound by copies, where the ring wins (16 MiB, 2 ranks: 23.5 vs
+      18.6 ms).
+    * Otherwise XLA's own collective (``"xla"``; TPUs ride ICI with it), except for the
+      reductions XLA does not have: an all-reduce with PRODUCT or a bitwise op is a
+      ``"gather_reduce"``, a reduce-scatter with anything but a sum an ``"exchange"``.
+
+    A group of one device always takes ``"xla"`` for its sums (there is nothing to exchange).
+    """
+    reduce_op = params[0] if kind in _REDUCING_KINDS and params else None
+    if platform == "tpu" and kind in _REDUCING_KINDS and any(
+        dtype in _TPU_EMULATED_DTYPES for _, dtype in blocks
+    ):
+        if kind == "reduce_scatter":
+            return "exchange"
+        if reduce_op in ("MAX", "MIN"):
+            return "gather_reduce"
+    if platform == "cpu" and size >= 2:
+        if kind == "reduce_scatter":
+            return "exchange"
+        if kind in ("allreduce", "allgather") and blocks and min(n for n, _ in blocks) > 0:
+            per_rank = sum(n * _itemsize(dtype) for n, dtype in blocks)
+            if kind == "allgather":
+                per_rank *= size
+            if per_rank <= DIRECT_EXCHANGE_MAX_BYTES:
+                return "exchange"
+    if kind == "allreduce" and reduce_op is not None and reduce_op not in _SUMS | {"MAX", "MIN"}:
+        return "gather_reduce"
+    if kind == "reduce_scatter" and reduce_op is not None and reduce_op not in _SUMS:
+        return "exchange"
+    return "xla"
+
+
+def program_key(
+    kind: str,
+    device_ids: tuple[int, ...],
+    blocks: tuple[tuple[int, str], ...],
+    params: tuple,
+    platform: str,
+) -> ProgramKey:
+    """The :class:`ProgramKey` of ``kind`` over ``device_ids``, its algorithm chosen by
+    :func:`choose_algorithm` (as the backend chooses it)."""
+    algorithm = choose_algorithm(kind, blocks, params, platform, len(device_ids))
+    return ProgramKey(kind, device_ids, blocks, params, algorithm)
+
+
+# -- blocks --------------------------------------------------------------------------------
+
+#: torch dtype -> the JAX/numpy dtype name a block of it becomes (torch.float32 -> "float32").
+DTYPE_NAMES = {dtype: str(dtype).removeprefix("torch.") for dtype in _checks.SUPPORTED_DTYPES}
+
+_WORD_DTYPES = {1: torch.int8, 2: torch.int16}
+
+
+def flat(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-D contiguous view of ``tensor`` (a copy only when it is not contiguous)."""
+    return tensor.contiguous().view(-1) if tensor.dim() != 1 or not tensor.is_contiguous() else tensor
+
+
+def values(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat tensor as reduction operands: bool becomes uint8 0/1, complex its (real, imag)
+    pairs (complex reductions, SUM/AVG/PREMUL_SUM with a real factor, act on each part alone;
+    and XLA:TPU has no complex128 at all)."""
+    block = flat(tensor)
+    if block.dtype == torch.bool:
+        return block.view(torch.uint8)
+    if block.is_complex():
+        return torch.view_as_real(block.resolve_conj()).view(-1)
+    return block
+
+
+def words(tensor: torch.Tensor) -> torch.Tensor:
+    """The flat tensor as raw words: int8/int16 for 1/2-byte dtypes, else int32."""
+    block = flat(tensor)
+    return block.view(_WORD_DTYPES.get(block.element_size(), torch.int32))
+
+
+def word_count(tensor: torch.Tensor) -> int:
+    """How many words :func:`words` makes of ``tensor``."""
+    size = tensor.element_size()
+    return tensor.numel() * (size // 4 if size >= 4 else 1)
+
+
+def write(out: torch.Tensor, result: torch.Tensor) -> None:
+    """Copy a flat result block (values or words) into ``out``, any layout."""
+    if result.dtype != out.dtype:
+        result = result.view(out.dtype)
+    if result.shape != out.shape:
+        result = result.view(out.shape)
+    if _checks.shares_memory_within(out):
+        # An expanded tensor of an in-place op: elements that share memory hold one value
+        # (gloo accepts these too); write it once, through the first index of each such dim.
+        for dim, (size, stride) in enumerate(zip(out.shape, out.stride())):
+            if stride == 0 and size > 1:
+                out, result = out.narrow(dim, 0, 1), result.narrow(dim, 0, 1)
+    out.copy_(result)
+
+
+def reduce_params(op_name: str, opts_op: dist.ReduceOp, dtype: torch.dtype) -> tuple:
+    """The program params of a reduction: ``(op name,)``, or ``("PREMUL_SUM", factor)``.
+
+    Raises:
+        TypeError: ``opts_op`` is not defined for ``dtype``.
+    """
+    reduce_op = _checks.reduce_op_name(opts_op)
+    _checks.check_reduce_op(op_name, reduce_op, dtype)
+    if dtype == torch.bool:
+        # On 0/1 bytes: SUM and BOR are "any", PRODUCT and BAND are "all".
+        reduce_op = {"SUM": "MAX", "BOR": "MAX", "PRODUCT": "MIN", "BAND": "MIN"}.get(
+            reduce_op, reduce_op
+        )
+    if reduce_op == "PREMUL_SUM":
+        factor = opts_op.factor
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
+        return (reduce_op, float(factor))
+    return (reduce_op,)
+
+
+def _program(
+    group: GroupView,
+    op: str,
+    kind: str,
+    params: tuple,
+    blocks: Sequence[torch.Tensor],
+    finish: Finish,
+) -> Plan:
+    """The plan of ``kind``'s program on ``blocks``.
+
+    Empty blocks stay out of the program (XLA refuses zero-length collectives) and get empty
+    results back; with every block empty there is no program (every rank of the group sees the
+    same empty shapes, so none runs one).
+    """
+    if all(b.numel() == 0 for b in blocks):
+        empty = [b.new_empty(0) for b in blocks]
+        return Plan(op, None, (), lambda results: finish(empty))
+    if any(b.numel() == 0 for b in blocks):
+        empties = [b.new_empty(0) if b.numel() == 0 else None for b in blocks]
+        blocks = [b for b in blocks if b.numel()]
+        whole = finish
+
+        def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            it = iter(results)
+            return whole([e if e is not None else next(it) for e in empties])
+
+    meta = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
+    key = program_key(kind, group.device_ids, meta, params, group.platform)
+    return Plan(op, key, tuple(blocks), finish)
+
+
+def _completed(op: str, outputs: list[torch.Tensor]) -> Plan:
+    """A plan with nothing to run whose outputs are ``outputs``."""
+    return Plan(op, None, (), lambda results: outputs)
+
+
+def _writes(outputs: Sequence[torch.Tensor]) -> Finish:
+    """The finish step that writes result block ``i`` into ``outputs[i]``."""
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        for out, result in zip(outputs, results):
+            write(out, result)
+        return list(outputs)
+
+    return finish
+
+
+def _one_kind(op: str, tensors: Sequence[torch.Tensor], reduce_op: dist.ReduceOp) -> tuple:
+    """The one params tuple of a coalesced reduction; its dtypes must map ``reduce_op`` alike."""
+    params = {reduce_params(op, reduce_op, t.dtype) for t in tensors}
+    if len(params) != 1:
+        raise TypeError(
+            f"{op}: the tensors' dtypes {sorted({str(t.dtype) for t in tensors})} map "
+            "ReduceOp to different operations; coalesce tensors of one kind "
+            "(floating, integer or bool) per call."
+        )
+    return params.pop()
+
+
+def _check_pair(
+    op: str, group: GroupView, big: torch.Tensor, small: torch.Tensor, what: str
+) -> None:
+    """``big`` holds ``group.size`` times ``small``'s elements, of its dtype."""
+    _checks.check_tensor(op, small, "input")
+    _checks.check_tensor(op, big, what)
+    _checks.check_same(op, small, big, what)
+    _checks.check_numel(op, big, small.numel() * group.size, what)
+
+
+def _check_outputs(
+    op: str, reference: torch.Tensor, outputs: Sequence[torch.Tensor], what: str
+) -> None:
+    """Each of ``outputs`` can receive one rank's copy of ``reference``."""
+    for i, out in enumerate(outputs):
+        _checks.check_tensor(op, out, f"{what}[{i}]")
+        _checks.check_same(op, reference, out, f"{what}[{i}]")
+        _checks.check_numel(op, out, reference.numel(), f"{what}[{i}]")
+        _checks.check_output(op, out, f"{what}[{i}]")
+
+
+def _one_list(op: str, lists: Sequence, what: str) -> list:
+    """The single list c10d wraps a per-rank tensor list in."""
+    if len(lists) != 1:
+        raise ValueError(
+            f"{op}: expected one {what} (c10d passes [list]), got {len(lists)}; pass a single "
+            "list with one tensor per rank."
+        )
+    return lists[0]
+
+
+# -- all-reduce ----------------------------------------------------------------------------
+
+
+def all_reduce(group: GroupView, tensors: Sequence[torch.Tensor], reduce_op: dist.ReduceOp) -> Plan:
+    """``all_reduce``: every rank's tensor becomes the reduction over the group (in place)."""
+    op = "all_reduce"
+    tensor = _checks.check_single(op, tensors)
+    params = reduce_params(op, reduce_op, tensor.dtype)
+    return _program(group, op, "allreduce", params, [values(tensor)], _writes([tensor]))
+
+
+def all_reduce_coalesced(
+    group: GroupView, tensors: Sequence[torch.Tensor], reduce_op: dist.ReduceOp
+) -> Plan:
+    """``all_reduce_coalesced``: each tensor all-reduced, in one program."""
+    op = "all_reduce_coalesced"
+    for i, t in enumerate(tensors):
+        _checks.check_tensor(op, t, f"tensors[{i}]")
+    if not tensors:
+        return _completed(op, [])
+    params = _one_kind(op, tensors, reduce_op)
+    blocks = [values(t) for t in tensors]
+    return _program(group, op, "allreduce", params, blocks, _writes(tensors))
+
+
+def reduce(
+    group: GroupView, tensors: Sequence[torch.Tensor], root: int, reduce_op: dist.ReduceOp
+) -> Plan:
+    """``reduce``: the root's tensor becomes the reduction; the others' are left as they were.
+
+    Every rank runs the all-reduce program (the reduction is computed everywhere); only the
+    root's finish step writes.
+    """
+    op = "reduce"
+    tensor = _checks.check_single(op, tensors)
+    _checks.check_rank(op, root, group.size, "root")
+    params = reduce_params(op, reduce_op, tensor.dtype)
+    finish = _writes([tensor]) if group.rank == root else lambda results: [tensor]
+    return _program(group, op, "allreduce", params, [values(tensor)], finish)
+
+
+# -- all-gather ----------------------------------------------------------------------------
+
+
+def _scatter_rows(outputs: Sequence[torch.Tensor], size: int) -> Finish:
+    """The finish step that writes row ``r`` of the gathered block into ``outputs[r]``."""
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        for out, chunk in zip(outputs, results[0].chunk(size)):
+            write(out, chunk)
+        return list(outputs)
+
+    return finish
+
+
+def all_gather(
+    group: GroupView,
+    output_tensors: Sequence[Sequence[torch.Tensor]],
+    input_tensors: Sequence[torch.Tensor],
+) -> Plan:
+    """``all_gather``: ``output_tensors[0][r]`` gets rank r's tensor, on every rank."""
+    op = "all_gather"
+    tensor = _checks.check_single(op, input_tensors)
+    outputs = _one_list(op, output_tensors, "output list")
+    _checks.check_list(op, outputs, group.size, "output tensor list")
+    _check_outputs(op, tensor, outputs, "output_tensor_list")
+    finish = _scatter_rows(outputs, group.size)
+    return _program(group, op, "allgather", (), [words(tensor)], finish)
+
+
+def all_gather_into_tensor(
+    group: GroupView, output: torch.Tensor, input: torch.Tensor
+) -> Plan:
+    """``all_gather_into_tensor``: ``output`` is every rank's ``input``, in rank order."""
+    op = "all_gather_into_tensor"
+    _check_pair(op, group, output, input, "output")
+    _checks.check_output(op, output, "output")
+    return _program(group, op, "allgather", (), [words(input)], _writes([output]))
+
+
+def all_gather_into_tensor_coalesced(
+    group: GroupView, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
+) -> Plan:
+    """``all_gather_into_tensor`` of each input into its output, in one program."""
+    op = "all_gather_into_tensor_coalesced"
+    if len(outputs) != len(inputs):
+        raise ValueError(
+            f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
+            "output per input."
+        )
+    for i, (out, inp) in enumerate(zip(outputs, inputs)):
+        _check_pair(op, group, out, inp, f"outputs[{i}]")
+        _checks.check_output(op, out, f"outputs[{i}]")
+    if not inputs:
+        return _completed(op, [])
+    return _program(group, op, "allgather", (), [words(t) for t in inputs], _writes(outputs))
+
+
+def all_gather_coalesced(
+    group: GroupView,
+    output_lists: Sequence[Sequence[torch.Tensor]],
+    input_tensors: Sequence[torch.Tensor],
+) -> Plan:
+    """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank r's ``input_tensors[i]``."""
+    op = "all_gather_coalesced"
+    _checks.check_list(op, output_lists, group.size, "output_tensor_lists")
+    for i, t in enumerate(input_tensors):
+        _checks.check_tensor(op, t, f"input_tensor_list[{i}]")
+    for r, outputs in enumerate(output_lists):
+        if len(outputs) != len(input_tensors):
+            raise ValueError(
+                f"{op}: output_tensor_lists[{r}] has {len(outputs)} tensors for "
+                f"{len(input_tensors)} inputs; pass one output per input for every rank."
+            )
+        for i, (out, inp) in enumerate(zip(outputs, input_tensors)):
+            what = f"output_tensor_lists[{r}][{i}]"
+            _checks.check_tensor(op, out, what)
+            _checks.check_same(op, inp, out, what)
+            _checks.check_numel(op, out, inp.numel(), what)
+            _checks.check_output(op, out, what)
+    if not input_tensors:
+        return _completed(op, [])
+    size = group.size
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        for i, gathered in enumerate(results):
+            for outputs, chunk in zip(output_lists, gathered.chunk(size)):
+                write(outputs[i], chunk)
+        return [out for outputs in output_lists for out in outputs]
+
+    return _program(group, op, "allgather", (), [words(t) for t in input_tensors], finish)
+
+
+def gather(
+    group: GroupView,
+    output_tensors: Sequence[Sequence[torch.Tensor]],
+    input_tensors: Sequence[torch.Tensor],
+    root: int,
+) -> Plan:
+    """``gather``: the root's ``gather_list[r]`` gets rank r's tensor (an all-gather whose
+    result only the root writes)."""
+    op = "gather"
+    tensor = _checks.check_single(op, input_tensors)
+    _checks.check_rank(op, root, group.size, "root")
+    outputs: list[torch.Tensor] = []
+    if group.rank == root:
+        if len(output_tensors) != 1:
+            raise ValueError(
+                f"{op}: the root needs one gather_list, got {len(output_tensors)}; pass "
+                "gather_list with one tensor per rank on the root."
+            )
+        outputs = list(output_tensors[0])
+        _checks.check_list(op, outputs, group.size, "gather_list")
+        _check_outputs(op, tensor, outputs, "gather_list")
+    elif output_tensors and any(output_tensors):
+        raise ValueError(
+            f"{op}: gather_list must be empty or None on non-root rank {group.rank} "
+            f"(root is {root})."
+        )
+    finish = _scatter_rows(outputs, group.size)
+    return _program(group, op, "allgather", (), [words(tensor)], finish)
+
+
+# -- reduce-scatter ------------------------------------------------------------------------
+
+
+def reduce_scatter(
+    group: GroupView,
+    output_tensors: Sequence[torch.Tensor],
+    input_tensors: Sequence[Sequence[torch.Tensor]],
+    reduce_op: dist.ReduceOp,
+) -> Plan:
+    """``reduce_scatter``: rank r's output is the reduction of every rank's ``input_list[r]``."""
+    op = "reduce_scatter"
+    output = _checks.check_single(op, output_tensors)
+    _checks.check_output(op, output, "output")
+    inputs = _one_list(op, input_tensors, "input list")
+    _checks.check_list(op, inputs, group.size, "input_list")
+    for i, t in enumerate(inputs):
+        _checks.check_tensor(op, t, f"input_list[{i}]")
+        _checks.check_same(op, output, t, f"input_list[{i}]")
+        _checks.check_numel(op, t, output.numel(), f"input_list[{i}]")
+    params = reduce_params(op, reduce_op, output.dtype)
+    stacked = values(torch.cat([flat(t) for t in inputs]))
+    return _program(group, op, "reduce_scatter", params, [stacked], _writes([output]))
+
+
+def reduce_scatter_tensor(
+    group: GroupView, output: torch.Tensor, input: torch.Tensor, reduce_op: dist.ReduceOp
+) -> Plan:
+    """``reduce_scatter_tensor``: rank r's output is the reduction of chunk r of every input."""
+    op = "reduce_scatter_tensor"
+    _check_pair(op, group, input, output, "input")
+    _checks.check_output(op, output, "output")
+    params = reduce_params(op, reduce_op, input.dtype)
+    return _program(group, op, "reduce_scatter", params, [values(input)], _writes([output]))
+
+
+def reduce_scatter_tensor_coalesced(
+    group: GroupView,
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    reduce_op: dist.ReduceOp,
+) -> Plan:
+    """``reduce_scatter_tensor`` of each input into its output, in one program."""
+    op = "reduce_scatter_tensor_coalesced"
+    if len(outputs) != len(inputs):
+        raise ValueError(
+            f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
+            "output per input."
+        )
+    for i, (out, inp) in enumerate(zip(outputs, inputs)):
+        _check_pair(op, group, inp, out, f"inputs[{i}]")
+        _checks.check_output(op, out, f"outputs[{i}]")
+    if not inputs:
+        return _completed(op, [])
+    params = _one_kind(op, inputs, reduce_op)
+    blocks = [values(t) for t in inputs]
+    return _program(group, op, "reduce_scatter", params, blocks, _writes(outputs))
+
+
+# -- broadcast and scatter -------------------------------------------------------------------
+
+
+def broadcast(group: GroupView, tensors: Sequence[torch.Tensor], root: int) -> Plan:
+    """``broadcast``: every rank's tensor becomes the root's.
+
+    Every rank also adds ``(src + 1, (src + 1)**2)`` over the group in the same program (a
+    second block, the header): both sums are ``size`` times this rank's values on every rank
+    only if every rank passed the same src (equal mean and mean of squares: no spread). Ranks
+    that disagree on src would otherwise get a sum of several ranks' data, silently; with the
+    header every rank raises ``DistBackendError`` and leaves its tensor unchanged.
+    """
+    op = "broadcast"
+    tensor = _checks.check_single(op, tensors)
+    _checks.check_rank(op, root, group.size, "src")
+    is_root = group.rank == root
+    mark = root + 1
+    header = torch.tensor([mark, mark * mark], dtype=torch.int32)
+    size = group.size
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        total, squares = results[1].tolist()
+        if (total, squares) != (size * mark, size * mark * mark):
+            raise dist.DistBackendError(
+                f"tpu_dist: broadcast on rank {group.global_rank} of group {group.name!r}: "
+                f"the ranks of the group passed different src values (this rank: "
+                f"src={root}; the group's mean: {total / size - 1:g}). Every rank must pass "
+                "the same src; the tensor was left unchanged."
+            )
+        if not is_root:
+            write(tensor, results[0])
+        return [tensor]
+
+    return _program(group, op, "broadcast", (root, True), [words(tensor), header], finish)
+
+
+def scatter(
+    group: GroupView,
+    output_tensors: Sequence[torch.Tensor],
+    input_tensors: Sequence[Sequence[torch.Tensor]],
+    root: int,
+) -> Plan:
+    """``scatter``: rank r's output gets the root's ``scatter_list[r]``."""
+    op = "scatter"
+    output = _checks.check_single(op, output_tensors)
+    _checks.check_output(op, output, "output")
+    _checks.check_rank(op, root, group.size, "src")
+    if group.rank == root:
+        if len(input_tensors) != 1:
+            raise ValueError(
+                f"{op}: the root needs one scatter_list, got {len(input_tensors)}; pass "
+                "scatter_list with one tensor per rank on the root."
+            )
+        inputs = input_tensors[0]
+        _checks.check_list(op, inputs, group.size, "scatter_list")
+        for i, t in enumerate(inputs):
+            _checks.check_tensor(op, t, f"scatter_list[{i}]")
+            _checks.check_same(op, output, t, f"scatter_list[{i}]")
+            _checks.check_numel(op, t, output.numel(), f"scatter_list[{i}]")
+        block = words(torch.cat([flat(t) for t in inputs]))
+    else:
+        if input_tensors and any(input_tensors):
+            raise ValueError(
+                f"{op}: scatter_list must be empty or None on non-root rank "
+                f"{group.rank} (root is {root})."
+            )
+        out_words = words(output)
+        block = out_words.new_zeros(out_words.numel() * group.size)
+    return _program(group, op, "scatter", (root,), [block], _writes([output]))
+
+
+# -- all-to-all ----------------------------------------------------------------------------
+
+
+def all_to_all_single(
+    group: GroupView,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+) -> Plan:
+    """``all_to_all_single``: rank r's rows ``input_split_sizes[j]`` go to rank j, which puts
+    them at its ``output_split_sizes[r]`` rows. Without split sizes, equal splits of dim 0."""
+    op = "all_to_all_single"
+    _checks.check_tensor(op, input, "input")
+    _checks.check_tensor(op, output, "output")
+    _checks.check_same(op, input, output, "output")
+    _checks.check_output(op, output, "output")
+    size = group.size
+    if input.dim() == 0 or output.dim() == 0:
+        raise ValueError(
+            f"{op}: input and output need at least one dimension (got shapes "
+            f"{tuple(input.shape)} and {tuple(output.shape)}); reshape scalars to (1,)."
+        )
+    in_rows, out_rows = input.shape[0], output.shape[0]
+    if tuple(input.shape[1:]) != tuple(output.shape[1:]):
+        raise ValueError(
+            f"{op}: input shape {tuple(input.shape)} and output shape "
+            f"{tuple(output.shape)} differ beyond dim 0."
+        )
+    if not input_split_sizes and not output_split_sizes:
+        _checks.check_splits(op, [], size, in_rows, "input")
+        _checks.check_numel(op, output, input.numel(), "output")
+        return _program(group, op, "alltoall", (), [words(input)], _writes([output]))
+    send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
+    recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
+    row = word_count(input.new_empty(input.shape[1:]))  # words per row (0 rows: no input[0])
+    send_chunks = list(words(input).split([s * row for s in send]))
+    out_words = words(output) if output.is_contiguous() else None
+
+    def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
+        joined = torch.cat(recv_chunks)
+        if out_words is not None and out_words.data_ptr() != joined.data_ptr():
+            out_words.copy_(joined)
+        else:
+            write(output, joined)
+        return [output]
+
+    return _uneven_all_to_all(group, op, send_chunks, [r * row for r in recv], finish)
+
+
+def all_to_all(
+    group: GroupView,
+    output_tensors: Sequence[torch.Tensor],
+    input_tensors: Sequence[torch.Tensor],
+) -> Plan:
+    """``all_to_all``: rank r's ``input_tensor_list[j]`` becomes rank j's
+    ``output_tensor_list[r]`` (tensors of any sizes)."""
+    op = "all_to_all"
+    size = group.size
+    _checks.check_list(op, input_tensors, size, "input_tensor_list")
+    _checks.check_list(op, output_tensors, size, "output_tensor_list")
+    for i, t in enumerate(input_tensors):
+        _checks.check_tensor(op, t, f"input_tensor_list[{i}]")
+        _checks.check_same(op, input_tensors[0], t, f"input_tensor_list[{i}]")
+    for i, t in enumerate(output_tensors):
+        _checks.check_tensor(op, t, f"output_tensor_list[{i}]")
+        _checks.check_same(op, input_tensors[0], t, f"output_tensor_list[{i}]")
+        _checks.check_output(op, t, f"output_tensor_list[{i}]")
+    send_chunks = [words(t) for t in input_tensors]
+    recv_counts = [word_count(t) for t in output_tensors]
+    return _uneven_all_to_all(group, op, send_chunks, recv_counts, _writes(output_tensors))
+
+
+def _uneven_all_to_all(
+    group: GroupView,
+    op: str,
+    send_chunks: list[torch.Tensor],
+    recv_counts: list[int],
+    finish: Finish,
+) -> Plan:
+    """All-to-all of chunks of any length: every chunk padded to the group's largest.
+
+    Two programs: a one-element MAX all-reduce agrees on the largest chunk (so every rank
+    compiles the same padded program), then the padded all-to-all (:attr:`Plan.then`).
+    """
+    size = group.size
+    local_max = max([c.numel() for c in send_chunks] + recv_counts)
+    agreed = torch.tensor([local_max], dtype=torch.int64)
+
+    def padded(outputs: list[torch.Tensor]) -> Plan:
+        width = int(outputs[0].item())
+        if width == 0:
+            return _completed(op, finish([c.new_empty(0) for c in send_chunks]))
+        rows = send_chunks[0].new_zeros(size, width)
+        for peer, chunk in enumerate(send_chunks):
+            rows[peer, : chunk.numel()] = chunk
+
+        def unpad(results: list[torch.Tensor]) -> list[torch.Tensor]:
+            received = results[0].view(size, width)
+            return finish([received[peer, : recv_counts[peer]] for peer in range(size)])
+
+        return _program(group, op, "alltoall", (), [rows.view(-1)], unpad)
+
+    agree = _program(
+        group, op, "allreduce", ("MAX",), [agreed], lambda results: [agreed.copy_(results[0])]
+    )
+    return Plan(agree.op, agree.key, agree.blocks, agree.finish, then=padded)
+
+
+# -- barrier and point to point -------------------------------------------------------------
+
+
+def barrier(group: GroupView) -> Plan:
+    """``barrier``: a one-word sum over the group; returns no tensors."""
+    token = torch.zeros(1, dtype=torch.int32)
+    return _program(group, "barrier", "barrier", (), [token], lambda results: [])
+
+
+def p2p(
+    group: GroupView,
+    op: Literal["send", "recv"],
+    tensors: Sequence[torch.Tensor],
+    peer: int,
+    tag: int,
+) -> P2PPlan:
+    """A ``send`` of ``tensors[0]`` to group rank ``peer``, or a ``recv`` from it.
+
+    The program is a permute between the two ranks' devices, ordered by global rank: its
+    devices are (lower, higher) global rank's, and its permutation ``((0, 1),)`` when the
+    lower one sends, ``((1, 0),)`` when it receives.
+    """
+    is_send = op == "send"
+    tensor = _checks.check_single(op, tensors)
+    _checks.check_rank(op, peer, group.size, "dst" if is_send else "src")
+    if not is_send:
+        _checks.check_output(op, tensor, "tensor")
+    if peer == group.rank:
+        raise ValueError(
+            f"{op}: rank {group.rank} cannot {op} to itself on the 'tpu' backend; "
+            "copy the tensor locally instead."
+        )
+    me, other = group.global_rank, group.global_ranks[peer] if group.global_ranks else peer
+    src, dst = (me, other) if is_send else (other, me)
+    low, high = sorted((src, dst))
+    ranks = (group.rank, peer) if me == low else (peer, group.rank)
+    block = words(tensor)
+    key = None
+    if block.numel():
+        key = ProgramKey(
+            "permute",
+            (group.device_ids[ranks[0]], group.device_ids[ranks[1]]),
+            ((block.numel(), DTYPE_NAMES[block.dtype]),),
+            ((0, 1),) if src == low else ((1, 0),),
+            "xla",
+        )
+    finish = (lambda results: [tensor]) if is_send else _writes([tensor])
+    return P2PPlan(
+        op, f"{op} (peer {peer}, tag {tag})", key, block, finish, other, int(tag),
+        (low, high), ranks,
+    )
