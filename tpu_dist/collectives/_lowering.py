@@ -11,9 +11,10 @@ touches its own block. Example, all_reduce of 3 floats on 2 ranks::
     global output (6,) = [s0 s1 s2 | s0 s1 s2]      s = a + b, each rank reads its block
 
 Programs are compiled once per :class:`ProgramKey` (op, reduce op, group
-devices, block sizes, dtypes) and kept; :func:`compile_count` tells how many
-compilations this process has done, so tests can check that a steady loop
-compiles nothing new.
+devices, block sizes, dtypes) and kept, in memory and on disk for later processes
+(:mod:`tpu_dist.collectives._compile_cache`); :func:`compile_count` tells how many
+programs this process has built, so tests can check that a steady loop builds
+nothing new.
 
 On the CPU platform, reduce-scatters and small all-reduces and all-gathers run as
 all-to-all exchanges instead of XLA's own rings, which are slow there
@@ -38,7 +39,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_dist.collectives import _jaxlib, _runtime
+from tpu_dist.collectives import _compile_cache, _jaxlib, _runtime
 
 AXIS = "x"
 """The name of the single mesh axis every program runs over."""
@@ -77,7 +78,8 @@ _compilations = 0
 
 
 def compile_count() -> int:
-    """How many XLA programs this process has compiled for collectives."""
+    """How many collective programs this process has built: compiled, or loaded compiled from
+    the on-disk compile cache (``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
     return _compilations
 
 
@@ -104,10 +106,27 @@ def program(key: ProgramKey, devices: Sequence[jax.Device]) -> _Program:
     with _lock:
         found = _programs.get(key)
         if found is None:
-            compiled = _compile(key, devices)
+            compiled = _load_or_compile(key, devices)
             found = _Program(compiled, _direct_execute(compiled))
             _programs[key] = found
     return found
+
+
+def _load_or_compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
+    """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled and
+    stored there. Only programs of the running runtime are cached (not compile-only devices)."""
+    global _compilations
+    runtime = _runtime.info()
+    platform = devices[0].platform if devices else ""
+    cached = runtime is not None and platform == runtime.platform
+    compiled = _compile_cache.load(key, devices, platform) if cached else None
+    if compiled is None:
+        compiled = _compile(key, devices)
+        if cached:
+            _compile_cache.store(key, devices, platform, compiled)
+    else:
+        _compilations += 1
+    return compiled
 
 
 def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
