@@ -5,32 +5,49 @@ core and 0.4-0.7 s when four ranks compile at once on two cores (benchmarks/READ
 Tests that start many worlds, restarted jobs and repeated ``--emulate`` runs compile the same
 programs over and over. This cache stores each compiled program (``jax.experimental.
 serialize_executable``) under a digest of everything that decides its code, and loads it in
-~3 ms the next time any rank of any process needs it.
+a few milliseconds the next time any process needs it.
 
 Why not JAX's own persistent cache (``JAX_COMPILATION_CACHE_DIR``)? On the CPU platform it
 helps rank 0 only: its key hashes the process's own CPU topology, which differs from rank to
 rank, and only JAX process 0 writes entries (measured with jax 0.10.2: a warm cache gave rank
 0 a 4 ms load and ranks 1-3 a full compile). The key here is the program's
-:class:`~tpu_dist.collectives._lowering.ProgramKey` (which includes the group's device ids),
-so every rank shares one entry.
+:class:`~tpu_dist.collectives._lowering.ProgramKey` (which includes the group's device ids)
+and the process that owns the device, so every rank finds its own entry.
+
+**Only programs this process really compiled are stored.** XLA:CPU (jaxlib 0.10.2) cannot
+serialize an executable that was itself loaded from a serialized one: the copy keeps the
+program's thunks, which name their kernels (``concatenate_bitcast_fusion``, ...), but not the
+kernels' object code, and nothing fails until the copy is loaded again and run:
+``NOT_FOUND: Function concatenate_bitcast_fusion not found (type id: 1)``, in the middle of a
+collective, on one rank. ``lowered.compile()`` returns such a loaded executable when JAX's
+persistent cache serves it (or when ``jax_share_binary_between_hosts`` sends it from another
+process), so :func:`watch_compile` tells a real compilation from a load by JAX's own
+monitoring events, and :func:`store` is only called for real ones. When it cannot tell (a
+JAX that no longer reports those events), nothing is stored: the cache is then off, not wrong.
 
 A program is bound to its devices: an executable compiled for devices (0, 1) does not run on
 (2, 3) (XLA: "local device count is 0"), so ``new_group([2, 3])`` compiles its own programs
 even when ``new_group([0, 1])`` has the same shapes; the cache then serves each group's
 programs to later processes.
 
-Where (``TPU_DIST_COMPILE_CACHE``):
+Ranks never disagree on a program: an entry is found only under the digest of the code that
+builds the program (``_lowering.py``, ``_runtime.py``), the program's key and devices, the
+JAX/jaxlib versions, the platform version and ``XLA_FLAGS``/``LIBTPU_INIT_ARGS``; XLA compiles
+the same program to the same code, so a rank that loads runs what a rank that compiles runs.
 
-* unset (default): on for the CPU platform, in ``$XDG_CACHE_HOME/tpu_dist/xla`` (or
+Where (``TPU_DIST_COMPILE_CACHE``, :data:`tpu_dist._settings.COMPILE_CACHE`):
+
+* ``auto`` (default): on for the CPU platform, in ``$XDG_CACHE_HOME/tpu_dist/xla`` (or
   ``~/.cache/tpu_dist/xla``); off on TPU and GPU, where it is not yet checked on hardware.
 * ``0`` / ``off``: off.
 * ``1`` / ``on``: the default directory, on every platform.
-* a path: that directory, on every platform.
+* an absolute path: that directory, on every platform.
 
 Loading an executable runs code from the file, so the directory must be the user's own: it is
 created with mode 0700, and a directory owned by another user or writable by group or others
-is not used (with a warning once). Entries are written whole (a temporary file renamed into
-place), so ranks that compile the same program at once never read half an entry. The
+is not used (with a warning once). Each entry is written whole (a temporary file renamed into
+place) and carries a SHA-256 of its contents, so a truncated or damaged entry is found when it
+is read, before XLA sees it, and is compiled again (with a warning) and replaced. The
 directory is trimmed to :data:`MAX_BYTES`, least recently used entries first.
 """
 
@@ -42,31 +59,40 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import jax
 import jaxlib
 
+from tpu_dist import _settings
+
 if TYPE_CHECKING:
     from tpu_dist.collectives._lowering import ProgramKey
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "TPU_DIST_COMPILE_CACHE"
 MAX_BYTES = 1 << 30
-"""The directory's size cap: past it, the least recently used entries are removed (checked once a process,
-at its first write)."""
-_FORMAT = "1"
+"""The directory's size cap: past it, the least recently used entries are removed (checked once
+a process, at its first write)."""
+_MAGIC = b"tpu_dist-xla-entry-2\n"
+"""Every entry starts with this line, then the SHA-256 of the rest, then the serialized program."""
+_DIGEST_BYTES = 32
 _SUFFIX = ".xla"
-_OFF = ("0", "off", "false", "no")
-_ON = ("1", "on", "true", "yes")
+
+# JAX's monitoring events around a persistent-cache lookup (jax/_src/compiler.py).
+_JAX_CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+_JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 _lock = threading.Lock()
-_resolved: tuple[str | None, Path | None] | None = None  # (platform it was resolved for, dir)
+_resolved: dict[str, Path | None] = {}  # platform -> directory (None: off), once a process
 _trimmed = False
 _warned: set[str] = set()
+_fingerprint: str | None = None
+_events = threading.local()
+_listening = False
 
 
 def _warn_once(what: str, message: str, *args: object) -> None:
@@ -81,66 +107,66 @@ def default_directory() -> Path:
     return Path(base) / "tpu_dist" / "xla"
 
 
-def directory(platform: str) -> Path | None:
-    """The cache directory for programs of ``platform``, or None when the cache is off.
+def choose_directory(choice: str, platform: str) -> Path | None:
+    """Where ``choice`` (a parsed ``TPU_DIST_COMPILE_CACHE``) puts ``platform``'s programs.
 
-    Raises:
-        ValueError: ``TPU_DIST_COMPILE_CACHE`` is empty.
+    Returns the directory, unchecked, or None when the cache is off for that platform.
     """
-    global _resolved
-    if _resolved is not None and _resolved[0] == platform:
-        return _resolved[1]
-    raw = os.environ.get(CACHE_ENV)
-    choice = None if raw is None else raw.strip()
-    if choice == "":
-        raise ValueError(
-            f"{CACHE_ENV} is set but empty: use 0 (off), 1 (the default directory, "
-            f"{default_directory()}) or a directory path."
-        )
-    if choice is None:
-        path = default_directory() if platform == "cpu" else None
-    elif choice.lower() in _OFF:
-        path = None
-    elif choice.lower() in _ON:
-        path = default_directory()
-    else:
-        path = Path(choice).expanduser()
-    if path is not None:
-        path = _usable(path)
-    _resolved = (platform, path)
-    return path
+    if choice == "off" or (choice == "auto" and platform != "cpu"):
+        return None
+    if choice in ("auto", "on"):
+        return default_directory()
+    return Path(choice)
 
 
-def _usable(path: Path) -> Path | None:
-    """``path``, created private to this user; None (warned once) if it cannot be trusted."""
+def private_directory(path: Path) -> Path | None:
+    """``path``, created private to this user (mode 0700); None, warned once, if it cannot be
+    created or trusted (owned by another user, or writable by group or others)."""
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
         info = path.stat()
     except OSError as err:
         _warn_once(
-            "mkdir", "tpu_dist: cannot use %s=%s (%s); collective programs are compiled "
-            "without it.", CACHE_ENV, path, err,
+            f"mkdir:{path}", "tpu_dist: cannot use %s=%s (%s); collective programs are "
+            "compiled without the compile cache.", _settings.COMPILE_CACHE.env, path, err,
         )
         return None
-    if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
         _warn_once(
-            "unsafe", "tpu_dist: not using the compile cache %s: it is owned by uid %d or "
-            "writable by others (mode %o), and loading a program from it runs its code. Point "
-            "%s at a directory of your own (mode 0700), or set it to 0.",
-            path, info.st_uid, info.st_mode & 0o777, CACHE_ENV,
+            f"unsafe:{path}", "tpu_dist: not using the compile cache %s: it is owned by uid %d "
+            "(you are %d) with mode %o, and loading a program from it runs its code. Point %s "
+            "at a directory of your own that only you can write (mode 0700), or set it to 0.",
+            path, info.st_uid, os.getuid(), info.st_mode & 0o777, _settings.COMPILE_CACHE.env,
         )
         return None
     return path
 
 
+def directory(platform: str) -> Path | None:
+    """The cache directory for programs of ``platform``, or None when the cache is off.
+
+    Reads ``TPU_DIST_COMPILE_CACHE`` once per platform and process.
+
+    Raises:
+        ValueError: ``TPU_DIST_COMPILE_CACHE`` is malformed (the message names it).
+    """
+    if platform in _resolved:
+        return _resolved[platform]
+    path = choose_directory(_settings.COMPILE_CACHE.get(), platform)
+    if path is not None:
+        path = private_directory(path)
+    _resolved[platform] = path
+    return path
+
+
 def _code_fingerprint() -> str:
-    """A digest of the code that builds programs: the bodies in ``_lowering.py``."""
-    from tpu_dist.collectives import _lowering
+    """A digest of the code that builds programs: ``_lowering.py`` and ``_runtime.py``."""
+    from tpu_dist.collectives import _lowering, _runtime
 
-    return hashlib.sha256(Path(_lowering.__file__).read_bytes()).hexdigest()
-
-
-_fingerprint: str | None = None
+    digest = hashlib.sha256()
+    for module in (_lowering, _runtime):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
 
 
 def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
@@ -150,13 +176,75 @@ def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
         _fingerprint = _code_fingerprint()
     client = devices[0].client
     parts = (
-        _FORMAT, jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
+        _MAGIC, jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
         _fingerprint, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-        jax.process_count(), key.kind, key.blocks, key.params,
+        jax.process_count(), key.kind, key.devices, key.blocks, key.params,
         tuple((d.id, d.process_index, d.device_kind) for d in devices),
     )
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
     return f"{key.kind}-{digest[:40]}{_SUFFIX}"
+
+
+# -- telling a compilation from a load ---------------------------------------------------------
+
+
+@dataclass
+class CompileWatch:
+    """What :func:`watch_compile` saw of one ``lowered.compile()``."""
+
+    compiled: bool | None = None
+    """True: XLA compiled the program in this call, so it can be serialized whole. False: JAX
+    handed back a loaded copy (its persistent cache, or another process with
+    ``jax_share_binary_between_hosts``), or it could not be told; never store it then."""
+    reason: str = ""
+    """Why ``compiled`` is False."""
+
+
+def _on_jax_event(event: str, **kwargs: object) -> None:
+    seen = getattr(_events, "seen", None)
+    if seen is not None:
+        seen.add(event)
+
+
+@contextlib.contextmanager
+def watch_compile() -> Iterator[CompileWatch]:
+    """Around one ``lowered.compile()`` in this thread: whether XLA really compiled it.
+
+    JAX's persistent cache reports each lookup and each hit as a monitoring event
+    (``jax.monitoring``), in the thread that compiles; this listens for them in this thread
+    only, so compilations in other threads do not count.
+    """
+    global _listening
+    with _lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_jax_event)
+            _listening = True
+    watch = CompileWatch()
+    _events.seen = seen = set()
+    try:
+        yield watch
+    finally:
+        _events.seen = None
+    watch.compiled, watch.reason = _judge(seen)
+
+
+def _judge(seen: set[str]) -> tuple[bool, str]:
+    if jax.config.jax_share_binary_between_hosts:
+        return False, "jax_share_binary_between_hosts is on (the program may be another process's)"
+    if _JAX_CACHE_HIT_EVENT in seen:
+        return False, "JAX's persistent compilation cache served it"
+    jax_cache_on = bool(jax.config.jax_compilation_cache_dir) and bool(
+        jax.config.jax_enable_compilation_cache
+    )
+    if jax_cache_on and _JAX_CACHE_LOOKUP_EVENT not in seen:
+        return False, (
+            "JAX's persistent compilation cache is on and this JAX did not report its lookup, "
+            "so a load cannot be told from a compilation"
+        )
+    return True, ""
+
+
+# -- entries -----------------------------------------------------------------------------------
 
 
 def _trees(n_args: int) -> tuple:
@@ -168,7 +256,8 @@ def _trees(n_args: int) -> tuple:
 def load(
     key: ProgramKey, devices: Sequence[jax.Device], platform: str
 ) -> jax.stages.Compiled | None:
-    """``key``'s compiled program from the cache, or None (off, not there, or unreadable)."""
+    """``key``'s compiled program from the cache, or None (off, not there, or unusable: a
+    damaged entry is warned about and left to be replaced by the next :func:`store`)."""
     from jax.experimental import serialize_executable
 
     root = directory(platform)
@@ -176,31 +265,48 @@ def load(
         return None
     path = root / entry_name(key, devices)
     try:
-        blob = path.read_bytes()
-        os.utime(path)  # trimming removes the least recently used entries first
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as err:
-        _warn_once("read", "tpu_dist: cannot read the compile cache entry %s: %s", path, err)
+        _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
+                   "compiling the program instead.", path, err)
+        return None
+    header = len(_MAGIC) + _DIGEST_BYTES
+    blob = data[header:]
+    if (
+        not data.startswith(_MAGIC)
+        or len(data) <= header
+        or hashlib.sha256(blob).digest() != data[len(_MAGIC):header]
+    ):
+        _warn_once(
+            f"damaged:{path}", "tpu_dist: the compile cache entry %s is damaged or truncated "
+            "(%d bytes, its checksum does not match); compiling the program again and "
+            "replacing it.", path, len(data),
+        )
         return None
     in_tree, out_tree = _trees(len(key.blocks))
     try:
-        return serialize_executable.deserialize_and_load(
+        compiled = serialize_executable.deserialize_and_load(
             blob, in_tree, out_tree, devices[0].client, list(devices)
         )
-    except Exception as err:  # noqa: BLE001 - a bad entry is a miss, recompiled and replaced
+    except Exception as err:  # noqa: BLE001 - an entry XLA refuses is a miss, compiled again
         _warn_once(
-            "load", "tpu_dist: compile cache entry %s did not load (%s: %s); compiling "
-            "instead.", path, type(err).__name__, err,
+            f"load:{path}", "tpu_dist: the compile cache entry %s did not load (%s: %s); "
+            "compiling the program again and replacing it.", path, type(err).__name__, err,
         )
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # trimming removes the least recently used entries first
+    return compiled
 
 
 def store(
     key: ProgramKey, devices: Sequence[jax.Device], platform: str,
     compiled: jax.stages.Compiled,
 ) -> None:
-    """Put ``key``'s compiled program in the cache (when on); failures only warn."""
+    """Put ``key``'s program, which XLA compiled in this process (:func:`watch_compile`), in
+    the cache (when on). Failures only warn: the program runs all the same."""
     from jax.experimental import serialize_executable
 
     root = directory(platform)
@@ -209,14 +315,16 @@ def store(
     try:
         blob, _, _ = serialize_executable.serialize(compiled)
     except Exception as err:  # noqa: BLE001 - a program that cannot be stored is still usable
-        _warn_once("serialize", "tpu_dist: cannot serialize a %s program for the compile "
-                   "cache (%s: %s).", key.kind, type(err).__name__, err)
+        _warn_once(f"serialize:{key.kind}", "tpu_dist: cannot serialize a %s program for the "
+                   "compile cache (%s: %s).", key.kind, type(err).__name__, err)
         return
     path = root / entry_name(key, devices)
     try:
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as out:
+                out.write(_MAGIC)
+                out.write(hashlib.sha256(blob).digest())
                 out.write(blob)
             os.replace(tmp, path)
         except BaseException:
@@ -224,13 +332,15 @@ def store(
                 os.unlink(tmp)
             raise
     except OSError as err:
-        _warn_once("write", "tpu_dist: cannot write the compile cache entry %s: %s", path, err)
+        _warn_once(f"write:{root}", "tpu_dist: cannot write the compile cache entry %s: %s",
+                   path, err)
         return
     _trim_once(root)
 
 
 def _trim_once(root: Path) -> None:
-    """Remove the least recently used entries while the directory holds more than :data:`MAX_BYTES`."""
+    """Remove the least recently used entries while the directory holds more than
+    :data:`MAX_BYTES`."""
     global _trimmed
     with _lock:
         if _trimmed:

@@ -28,6 +28,7 @@ and share programs across dtypes of one width.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpu_dist.collectives import _compile_cache, _jaxlib, _runtime
+
+logger = logging.getLogger(__name__)
 
 AXIS = "x"
 """The name of the single mesh axis every program runs over."""
@@ -113,20 +116,36 @@ def program(key: ProgramKey, devices: Sequence[jax.Device]) -> _Program:
 
 
 def _load_or_compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
-    """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled and
-    stored there. Only programs of the running runtime are cached (not compile-only devices)."""
+    """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled and,
+    when XLA really compiled it here (not JAX's persistent cache), stored there. Only programs
+    of the running runtime are cached (not those of compile-only devices)."""
     global _compilations
     runtime = _runtime.info()
     platform = devices[0].platform if devices else ""
     cached = runtime is not None and platform == runtime.platform
     compiled = _compile_cache.load(key, devices, platform) if cached else None
-    if compiled is None:
-        compiled = _compile(key, devices)
-        if cached:
-            _compile_cache.store(key, devices, platform, compiled)
-    else:
+    if compiled is not None:
         _compilations += 1
+        return compiled
+    compiled, watch = _compile(key, devices)
+    if cached and watch.compiled:
+        _compile_cache.store(key, devices, platform, compiled)
+    elif cached:
+        _compile_cache_skipped(key, watch.reason)
     return compiled
+
+
+def _compile_cache_skipped(key: ProgramKey, reason: str) -> None:
+    if reason not in _skip_reasons:
+        _skip_reasons.add(reason)
+        logger.info(
+            "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU cannot "
+            "serialize a loaded program whole, so only programs compiled here are stored.",
+            key.kind, reason,
+        )
+
+
+_skip_reasons: set[str] = set()
 
 
 def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
@@ -213,13 +232,16 @@ def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
     return bodies[key.kind](len(devices), *key.params)
 
 
-def _compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
+def _compile(
+    key: ProgramKey, devices: Sequence[jax.Device]
+) -> tuple[jax.stages.Compiled, _compile_cache.CompileWatch]:
+    """``key``'s program compiled (or handed back by JAX's own caches: see the watch)."""
     global _compilations
     lowered = lower(key, devices)
-    with _runtime.x64_scope():
+    with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
         compiled = lowered.compile()
     _compilations += 1
-    return compiled
+    return compiled, watch
 
 
 def lower(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Lowered:
