@@ -11,8 +11,9 @@ Why not JAX's own persistent cache (``JAX_COMPILATION_CACHE_DIR``)? On the CPU p
 helps rank 0 only: its key hashes the process's own CPU topology, which differs from rank to
 rank, and only JAX process 0 writes entries (measured with jax 0.10.2: a warm cache gave rank
 0 a 4 ms load and ranks 1-3 a full compile). The key here is the program's
-:class:`~tpu_dist.collectives._lowering.ProgramKey` (which includes the group's device ids)
-and the process that owns the device, so every rank finds its own entry.
+:class:`~tpu_dist.collectives._lowering.ProgramKey` and the group's devices (ids, processes,
+kinds), the same on every rank of the group: the group's ranks share one entry, whichever
+rank wrote it (each loads it onto its own device).
 
 **Only programs this process really compiled are stored.** XLA:CPU (jaxlib 0.10.2) cannot
 serialize an executable that was itself loaded from a serialized one: the copy keeps the
