@@ -221,3 +221,18 @@ def test_programs_loaded_by_jax_persistent_cache_are_not_stored(tmp_path: Path) 
     assert (alone["x"], alone["y"]) == _expected() and len(_entries(cache)) == 2
     loaded = _run_world(str(cache), jax_cache)
     assert (loaded["x"], loaded["y"]) == _expected() and not loaded["warnings"]
+
+
+def test_malformed_setting_fails_init_naming_the_variable(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(ROOT), TPU_DIST_PLATFORM="cpu", JAX_PLATFORMS="cpu",
+               TPU_DIST_COMPILE_CACHE="relative/dir")
+    script = (
+        "import torch.distributed as dist, tpu_dist\n"
+        "dist.init_process_group('tpu', store=dist.HashStore(), rank=0, world_size=1)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ValueError: TPU_DIST_COMPILE_CACHE='relative/dir'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "relative").exists()
