@@ -36,16 +36,24 @@ from tests.harness import World, close_all_worlds
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Let every world of the session share compiled XLA programs (JAX's persistent cache).
+    """Let every world share compiled XLA programs, within a session and across sessions.
 
     Each new world would otherwise compile the same collective programs again, which is most
-    of the suite's time on a small machine. JAX reads these variables when it is imported, so
-    they are set here, before the forkserver that workers come from imports it; a value the
-    user set wins.
+    of the suite's time on a small machine. Two caches, both in the temp directory and both the
+    suite's own (never the user's): JAX's persistent cache (rank 0's programs, and any other
+    jit program) and tpu_dist's compile cache (every rank's collective programs; measured in
+    benchmarks/README.md, E26: three collectives files 76 s with an empty cache, 27 s warm).
+    Kept across sessions: an entry is found only under the digest of the code that builds it
+    (a changed ``_lowering.py`` misses), damaged entries are recompiled with a warning, and
+    ``tests/test_compile_cache.py`` uses directories of its own. Workers of ``pytest -n`` and
+    the worlds' processes inherit the variables. JAX reads its variables when it is imported,
+    so they are set here, before the forkserver that workers come from imports it; a value the
+    user set wins (``TPU_DIST_COMPILE_CACHE=0`` runs the suite without tpu_dist's cache).
     """
-    cache = os.path.join(tempfile.gettempdir(), "tpu_dist_test_jax_cache")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", cache)
+    tmp = tempfile.gettempdir()
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "tpu_dist_test_jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("TPU_DIST_COMPILE_CACHE", os.path.join(tmp, "tpu_dist_test_xla_cache"))
 
 
 @pytest.fixture(scope="module")

@@ -129,6 +129,24 @@ def _text(raw: str) -> str:
     return raw.strip()
 
 
+def _cache_choice(raw: str) -> str:
+    value = raw.strip()
+    lowered = value.lower()
+    if lowered == "auto":
+        return "auto"
+    if lowered in ("0", "off", "false", "no"):
+        return "off"
+    if lowered in ("1", "on", "true", "yes"):
+        return "on"
+    path = os.path.expanduser(value)
+    if not os.path.isabs(path):
+        raise ValueError(
+            "is neither a switch nor an absolute directory path: use 0 (off), 1 (on, the "
+            "default directory) or a path such as /tmp/my_xla_cache."
+        )
+    return os.path.normpath(path)
+
+
 def _backend_name(raw: str) -> str:
     name = raw.strip().lower()
     if not name.isidentifier():
@@ -192,6 +210,15 @@ COMPILE_ONLY: Setting[bool] = Setting(
     parse=_zero_or_one,
 )
 
+COMPILE_CACHE: Setting[str] = Setting(
+    env="TPU_DIST_COMPILE_CACHE",
+    default="auto",
+    help="The on-disk cache of compiled collective programs: auto (on for the CPU platform, in "
+    "$XDG_CACHE_HOME/tpu_dist/xla or ~/.cache/tpu_dist/xla; off on TPU and GPU), 0 (off), 1 "
+    "(on, that directory, every platform) or an absolute directory path (on, there).",
+    parse=_cache_choice,
+)
+
 # -- registration ----------------------------------------------------------------------------
 
 BACKEND_NAME: Setting[str] = Setting(
@@ -245,7 +272,7 @@ METADATA_TIMEOUT: Setting[float] = Setting(
 
 SETTINGS: tuple[Setting, ...] = (
     PLATFORM, COORDINATOR_ADDRESS, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
-    FLIGHT_RECORDER_SIZE, EXIT_CODE, COMPILE_ONLY, BACKEND_NAME, DEFAULT_FOR_CPU, TOPOLOGY,
-    NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
+    FLIGHT_RECORDER_SIZE, EXIT_CODE, COMPILE_ONLY, COMPILE_CACHE, BACKEND_NAME, DEFAULT_FOR_CPU,
+    TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
 )
 """Every declared setting, in the order above."""

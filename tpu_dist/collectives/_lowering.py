@@ -11,9 +11,10 @@ touches its own block. Example, all_reduce of 3 floats on 2 ranks::
     global output (6,) = [s0 s1 s2 | s0 s1 s2]      s = a + b, each rank reads its block
 
 Programs are compiled once per :class:`ProgramKey` (op, reduce op, group
-devices, block sizes, dtypes) and kept; :func:`compile_count` tells how many
-compilations this process has done, so tests can check that a steady loop
-compiles nothing new.
+devices, block sizes, dtypes) and kept, in memory and on disk for later processes
+(:mod:`tpu_dist.collectives._compile_cache`); :func:`compile_count` tells how many
+programs this process has built, so tests can check that a steady loop builds
+nothing new.
 
 The algorithm is part of the key (:attr:`ProgramKey.algorithm`), chosen when the call is
 planned (:func:`tpu_dist.collectives._plan.choose_algorithm`: on the CPU platform,
@@ -28,6 +29,7 @@ and share programs across dtypes of one width.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -39,7 +41,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_dist.collectives import _jaxlib, _runtime
+from tpu_dist.collectives import _compile_cache, _jaxlib, _runtime
+
+logger = logging.getLogger(__name__)
 
 AXIS = "x"
 """The name of the single mesh axis every program runs over."""
@@ -85,7 +89,8 @@ _compilations = 0
 
 
 def compile_count() -> int:
-    """How many XLA programs this process has compiled for collectives."""
+    """How many collective programs this process has built: compiled, or loaded compiled from
+    the on-disk compile cache (``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
     return _compilations
 
 
@@ -112,10 +117,43 @@ def program(key: ProgramKey, devices: Sequence[jax.Device]) -> _Program:
     with _lock:
         found = _programs.get(key)
         if found is None:
-            compiled = _compile(key, devices)
+            compiled = _load_or_compile(key, devices)
             found = _Program(compiled, _direct_execute(compiled))
             _programs[key] = found
     return found
+
+
+def _load_or_compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
+    """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled and,
+    when XLA really compiled it here (not JAX's persistent cache), stored there. Only programs
+    of the running runtime are cached (not those of compile-only devices)."""
+    global _compilations
+    runtime = _runtime.info()
+    platform = devices[0].platform if devices else ""
+    cached = runtime is not None and platform == runtime.platform
+    compiled = _compile_cache.load(key, devices, platform) if cached else None
+    if compiled is not None:
+        _compilations += 1
+        return compiled
+    compiled, watch = _compile(key, devices)
+    if cached and watch.compiled:
+        _compile_cache.store(key, devices, platform, compiled)
+    elif cached:
+        _compile_cache_skipped(key, watch.reason)
+    return compiled
+
+
+def _compile_cache_skipped(key: ProgramKey, reason: str) -> None:
+    if reason not in _skip_reasons:
+        _skip_reasons.add(reason)
+        logger.info(
+            "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU cannot "
+            "serialize a loaded program whole, so only programs compiled here are stored.",
+            key.kind, reason,
+        )
+
+
+_skip_reasons: set[str] = set()
 
 
 def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
@@ -148,13 +186,16 @@ def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
     return factory(len(devices), *key.params)
 
 
-def _compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
+def _compile(
+    key: ProgramKey, devices: Sequence[jax.Device]
+) -> tuple[jax.stages.Compiled, _compile_cache.CompileWatch]:
+    """``key``'s program compiled (or handed back by JAX's own caches: see the watch)."""
     global _compilations
     lowered = lower(key, devices)
-    with _runtime.x64_scope():
+    with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
         compiled = lowered.compile()
     _compilations += 1
-    return compiled
+    return compiled, watch
 
 
 def lower(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Lowered:

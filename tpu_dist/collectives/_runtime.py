@@ -186,6 +186,9 @@ def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> 
                 )
             return _info
         platform = resolve_platform()
+        # Parsed now, so that a malformed TPU_DIST_COMPILE_CACHE fails init_process_group on
+        # every rank, not the first collective (the directory is made at the first program).
+        _settings.COMPILE_CACHE.get()
         if platform == "cpu":
             if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
                 logger.warning(

@@ -1,0 +1,156 @@
+"""Time to a usable world: "tpu" beside gloo, in one run (issue 17).
+
+Starts the same script under torchrun once per backend and reports, per step, rank 0's
+seconds and the slowest rank's::
+
+    python benchmarks/startup.py                 # 4 ranks; gloo, tpu (cold cache), tpu (warm)
+    python benchmarks/startup.py --nproc 2 --repeat 3 --json results/startup.json
+
+Steps, each timed on every rank:
+
+* ``import``: ``import torch``, ``import jax``, ``import tpu_dist`` (gloo: torch only);
+* ``init``: ``init_process_group``, started when every rank has arrived (a barrier on
+  torchrun's store first, so a slow import elsewhere is not counted as init);
+* ``first_all_reduce``: 4 KiB, the first collective; ``steady_all_reduce``: the same again;
+* ``new_shape``: the first ``all_gather_into_tensor`` of a shape not seen before;
+* ``new_group``: ``new_group([0, 1])`` and its first all_reduce (ranks 0 and 1);
+* ``reinit``: ``destroy_process_group()``, ``init_process_group`` again (on a fresh prefix of
+  the store), one all_reduce.
+
+"tpu (cold)" runs with an empty compile cache (``TPU_DIST_COMPILE_CACHE`` set to a fresh
+directory), "tpu (warm)" with the cache the cold run filled: a restarted job, or the next test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+_WORKER = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+import torch
+marks = {"import_torch": time.perf_counter() - t0}
+backend = sys.argv[1]
+if backend == "tpu":
+    s = time.perf_counter(); import jax; marks["import_jax"] = time.perf_counter() - s
+    s = time.perf_counter(); import tpu_dist; marks["import_tpu_dist"] = time.perf_counter() - s
+    marks["tpu_dist_file"] = tpu_dist.__file__
+import torch.distributed as dist
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                      is_master=False)
+store.add("startup_bench/arrived", 1)
+store.wait(["startup_bench/arrived"])
+while int(store.add("startup_bench/arrived", 0)) < world:
+    time.sleep(0.001)
+
+def timed(name, fn):
+    s = time.perf_counter(); fn(); marks[name] = time.perf_counter() - s
+
+timed("init", lambda: dist.init_process_group(backend))
+x = torch.ones(1024)
+timed("first_all_reduce", lambda: dist.all_reduce(x))
+timed("steady_all_reduce", lambda: dist.all_reduce(x))
+part, whole = torch.ones(333), torch.empty(333 * world)
+timed("new_shape", lambda: dist.all_gather_into_tensor(whole, part))
+def pair():
+    group = dist.new_group([0, 1])
+    if rank < 2:
+        dist.all_reduce(x, group=group)
+timed("new_group", pair)
+dist.barrier()
+def reinit():
+    # A fresh key prefix: after destroy, gloo's second env:// init on the same store can read
+    # the first group's stale addresses (connection refused), a race of the benchmark's own.
+    dist.destroy_process_group()
+    dist.init_process_group(backend, store=dist.PrefixStore("startup_bench/reinit", store),
+                            rank=rank, world_size=world)
+    dist.all_reduce(x)
+timed("reinit", reinit)
+dist.barrier()
+with open(os.environ["STARTUP_BENCH_OUT"], "a") as out:
+    out.write(json.dumps({"rank": rank, **marks}) + "\n")
+dist.destroy_process_group()
+"""
+
+STEPS = ("import", "init", "first_all_reduce", "steady_all_reduce", "new_shape", "new_group",
+         "reinit")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run(backend: str, nproc: int, env: dict[str, str]) -> dict[str, dict[str, float]]:
+    """One torchrun of the worker; per step, rank 0's seconds and the slowest rank's."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "marks.jsonl")
+        with open(script, "w") as f:
+            f.write(_WORKER)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(_free_port()), script, backend]
+        proc = subprocess.run(cmd, env={**os.environ, **env, "STARTUP_BENCH_OUT": out},
+                              capture_output=True, text=True, timeout=600)
+        rows = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
+        if proc.returncode != 0 and len(rows) < nproc:
+            raise RuntimeError(f"{backend} run failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        if proc.returncode != 0:
+            # Every rank measured and wrote its marks; the failure came later, at exit (seen
+            # under heavy load: ranks aborting in JAX's coordination-service shutdown after
+            # rank 0 had gone). Counted, reported, not hidden.
+            print(f"note: {backend} torchrun exited {proc.returncode} after every rank wrote "
+                  "its marks (an exit-time failure)", file=sys.stderr)
+    for row in rows:
+        row["import"] = sum(row.pop(k, 0.0) for k in ("import_torch", "import_jax",
+                                                      "import_tpu_dist"))
+    files = {r.pop("tpu_dist_file") for r in rows if "tpu_dist_file" in r}
+    if files:
+        print(f"{backend}: workers imported {', '.join(sorted(files))}", file=sys.stderr)
+    rank0 = next(r for r in rows if r["rank"] == 0)
+    return {step: {"rank0": rank0[step], "max": max(r[step] for r in rows)} for step in STEPS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4, help="ranks (default 4)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="rounds of gloo, tpu (cold), tpu (warm), each cold round with a "
+                        "new empty cache (default 1); the table gives medians and ranges")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    rounds: dict[str, list[dict[str, dict[str, float]]]] = {}
+    for _ in range(args.repeat):
+        with tempfile.TemporaryDirectory() as cache:  # mode 0700, as the cache requires
+            env = {"TPU_DIST_COMPILE_CACHE": cache, "OMP_NUM_THREADS": "1"}
+            rounds.setdefault("gloo", []).append(run("gloo", args.nproc, env))
+            rounds.setdefault("tpu (cold)", []).append(run("tpu", args.nproc, env))
+            rounds.setdefault("tpu (warm)", []).append(run("tpu", args.nproc, env))
+    names = list(rounds)
+    print(f"{args.nproc} ranks, {args.repeat} round(s); seconds: median [min-max] of rank 0, "
+          "then of the slowest rank")
+    for name in names:
+        print(f"\n{name}")
+        for step in STEPS:
+            cells = []
+            for who in ("rank0", "max"):
+                values = sorted(r[step][who] for r in rounds[name])
+                median = values[len(values) // 2]
+                cells.append(f"{median:8.3f} [{values[0]:.3f}-{values[-1]:.3f}]")
+            print(f"  {step:20s}" + "   ".join(cells))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"nproc": args.nproc, "time": time.time(), "rounds": rounds}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

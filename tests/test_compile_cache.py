@@ -1,0 +1,238 @@
+"""tpu_dist.collectives._compile_cache: compiled collective programs kept on disk.
+
+Tier (a), in this process: where the cache lives, and that a directory others could write to
+is refused. Tier (b), fresh single-rank "tpu" worlds (each a process of its own, real JAX and
+XLA, one after another on the same directories): programs come back from the cache equal to
+a fresh compile, a damaged entry is compiled again with a warning, ``TPU_DIST_COMPILE_CACHE=0``
+turns the cache off, and, the regression this file exists for, a program JAX's own persistent
+cache loaded is never stored (XLA:CPU serializes a loaded program without its kernels, and
+the next process failed with ``NOT_FOUND: Function ... not found`` when it ran it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tpu_dist import _settings
+from tpu_dist.collectives import _compile_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# -- tier (a): the directory ---------------------------------------------------------------
+
+
+def test_choice_selects_the_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    default = tmp_path / "tpu_dist" / "xla"
+    assert _compile_cache.default_directory() == default
+    assert _compile_cache.choose_directory("auto", "cpu") == default
+    assert _compile_cache.choose_directory("auto", "tpu") is None
+    assert _compile_cache.choose_directory("auto", "gpu") is None
+    assert _compile_cache.choose_directory("on", "tpu") == default
+    assert _compile_cache.choose_directory("off", "cpu") is None
+    assert _compile_cache.choose_directory("/some/where", "tpu") == Path("/some/where")
+
+
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [("0", "off"), ("OFF", "off"), ("no", "off"), ("1", "on"), ("true", "on"), ("", "auto"),
+     (" auto ", "auto"), ("/tmp/x/../y", "/tmp/y")],
+)
+def test_setting_values(raw: str, value: str) -> None:
+    assert _settings.COMPILE_CACHE.read({_settings.COMPILE_CACHE.env: raw}) == value
+
+
+def test_setting_refuses_a_relative_path() -> None:
+    # Ranks may start in different directories: a relative path would split the cache.
+    with pytest.raises(ValueError, match=r"TPU_DIST_COMPILE_CACHE='cache/xla'.*absolute"):
+        _settings.COMPILE_CACHE.read({_settings.COMPILE_CACHE.env: "cache/xla"})
+
+
+def test_directory_is_created_private(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b"
+    assert _compile_cache.private_directory(path) == path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert path.stat().st_uid == os.getuid()
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770, 0o702])
+def test_directory_writable_by_others_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, mode: int
+) -> None:
+    path = tmp_path / f"shared{mode:o}"
+    path.mkdir()
+    path.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
+        assert _compile_cache.private_directory(path) is None
+    assert f"not using the compile cache {path}" in caplog.text
+    assert f"mode {mode:o}" in caplog.text and "TPU_DIST_COMPILE_CACHE" in caplog.text
+
+
+def test_directory_of_another_user_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "theirs"
+    path.mkdir(mode=0o700)
+    owner = path.stat().st_uid
+    monkeypatch.setattr(os, "getuid", lambda: owner + 1)  # we are someone else now
+    with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
+        assert _compile_cache.private_directory(path) is None
+    assert f"owned by uid {owner} (you are {owner + 1})" in caplog.text
+
+
+# -- tier (b): single-rank worlds, one process each ----------------------------------------
+
+_WORLD = textwrap.dedent(
+    """
+    import json, logging, os, sys
+    import torch, torch.distributed as dist
+    import tpu_dist
+    from tpu_dist.collectives import _lowering, compile_count
+
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            if record.levelno >= logging.WARNING:
+                warnings.append(record.getMessage())
+
+    logging.getLogger("tpu_dist").addHandler(Collect())
+    dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1)
+    x = torch.arange(1, 6, dtype=torch.float32)
+    y = torch.arange(7, dtype=torch.int32)
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.5))  # a kernel: x * 2.5
+    dist.all_reduce(y, op=dist.ReduceOp.MAX)
+    texts = sorted(p.compiled.as_text() for p in _lowering._programs.values())
+    out = {
+        "x": x.tolist(), "y": y.tolist(), "compiled": compile_count(), "warnings": warnings,
+        "programs": len(texts), "texts": texts,
+    }
+    dist.destroy_process_group()
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def _run_world(cache: str, jax_cache: Path | None = None, xdg: Path | None = None) -> dict:
+    """One single-rank world in a process of its own; ``xdg``: its ``XDG_CACHE_HOME`` (the
+    default directory's parent; never the user's own)."""
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=str(ROOT), TPU_DIST_PLATFORM="cpu", JAX_PLATFORMS="cpu",
+        TPU_DIST_COMPILE_CACHE=cache, XDG_CACHE_HOME=str(xdg or Path(cache).parent / "xdg"),
+    )
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env.pop("XLA_FLAGS", None)
+    if jax_cache is not None:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    proc = subprocess.run(
+        [sys.executable, "-c", _WORLD], env=env, capture_output=True, text=True, timeout=180
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    )
+    return json.loads(lines[-1][len("RESULT"):])
+
+
+def _expected() -> tuple[list[float], list[int]]:
+    x = (np.arange(1, 6, dtype=np.float32) * np.float32(2.5)).tolist()
+    return x, list(range(7))
+
+
+def _entries(cache: Path) -> list[Path]:
+    return sorted(cache.glob("*.xla"))
+
+
+def test_loaded_programs_equal_a_fresh_compile(tmp_path: Path) -> None:
+    cache = tmp_path / "xla"
+    cold = _run_world(str(cache))
+    assert (cold["x"], cold["y"]) == _expected() and not cold["warnings"]
+    assert cold["programs"] == 2 and len(_entries(cache)) == 2
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    warm = _run_world(str(cache))
+    assert (warm["x"], warm["y"]) == _expected() and not warm["warnings"]
+    # Loaded, not compiled: the entries were read (compile_count counts loads too) and
+    # XLA's optimized programs are the ones the cold process compiled, op for op.
+    assert warm["compiled"] == cold["compiled"] == 2
+    assert warm["texts"] == cold["texts"]
+    off = _run_world("0")
+    assert off["texts"] == cold["texts"]
+
+
+def test_cache_off_writes_nothing_and_auto_is_on_for_cpu(tmp_path: Path) -> None:
+    xdg = tmp_path / "xdg"
+    off = _run_world("0", xdg=xdg)
+    assert (off["x"], off["y"]) == _expected() and not off["warnings"]
+    assert not xdg.exists()
+    auto = _run_world("auto", xdg=xdg)
+    assert (auto["x"], auto["y"]) == _expected() and not auto["warnings"]
+    assert len(_entries(xdg / "tpu_dist" / "xla")) == 2
+
+
+def test_damaged_entries_are_compiled_again_with_a_warning(tmp_path: Path) -> None:
+    cache = tmp_path / "xla"
+    _run_world(str(cache))
+    first, second = _entries(cache)
+    whole = first.read_bytes()
+    first.write_bytes(whole[: len(whole) // 2])  # truncated
+    flipped = bytearray(second.read_bytes())
+    flipped[-100] ^= 0xFF  # one byte damaged inside the program
+    second.write_bytes(bytes(flipped))
+    result = _run_world(str(cache))
+    assert (result["x"], result["y"]) == _expected()
+    assert len(result["warnings"]) == 2, result["warnings"]
+    for path in (first, second):
+        assert any(
+            str(path) in warning and "damaged or truncated" in warning
+            for warning in result["warnings"]
+        ), result["warnings"]
+    # Replaced by the recompiled programs: the next process loads them without a word.
+    again = _run_world(str(cache))
+    assert (again["x"], again["y"]) == _expected() and not again["warnings"]
+    assert again["texts"] == result["texts"]
+
+
+def test_programs_loaded_by_jax_persistent_cache_are_not_stored(tmp_path: Path) -> None:
+    # The bug that kept the cache out of main: with JAX_COMPILATION_CACHE_DIR on (as in this
+    # suite), lowered.compile() hands back a program loaded from JAX's cache; serialized again
+    # for ours, it lost its kernels' object code, and the next process to load it failed when
+    # it ran it (NOT_FOUND: Function broadcast_multiply_fusion not found (type id: 1)).
+    jax_cache, cache = tmp_path / "jax", tmp_path / "xla"
+    _run_world("0", jax_cache)  # fills JAX's cache only
+    assert any(jax_cache.iterdir())
+    served = _run_world(str(cache), jax_cache)  # JAX's cache serves; ours must not store
+    assert (served["x"], served["y"]) == _expected()
+    after = _run_world(str(cache), jax_cache)  # loads what ours stored, if anything
+    assert (after["x"], after["y"]) == _expected()
+    assert _entries(cache) == []
+    alone = _run_world(str(cache))  # without JAX's cache: compiles, stores, and then loads
+    assert (alone["x"], alone["y"]) == _expected() and len(_entries(cache)) == 2
+    loaded = _run_world(str(cache), jax_cache)
+    assert (loaded["x"], loaded["y"]) == _expected() and not loaded["warnings"]
+
+
+def test_malformed_setting_fails_init_naming_the_variable(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    env.update(PYTHONPATH=str(ROOT), TPU_DIST_PLATFORM="cpu", JAX_PLATFORMS="cpu",
+               TPU_DIST_COMPILE_CACHE="relative/dir")
+    script = (
+        "import torch.distributed as dist, tpu_dist\n"
+        "dist.init_process_group('tpu', store=dist.HashStore(), rank=0, world_size=1)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "ValueError: TPU_DIST_COMPILE_CACHE='relative/dir'" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "relative").exists()

@@ -1,0 +1,362 @@
+"""Compiled collective programs kept on disk, so a new process does not compile them again.
+
+Every new (op, group, sizes, dtype) costs one XLA compilation, 0.01-0.3 s on an idle CPU
+core and 0.4-0.7 s when four ranks compile at once on two cores (benchmarks/README.md, E25).
+Tests that start many worlds, restarted jobs and repeated ``--emulate`` runs compile the same
+programs over and over. This cache stores each compiled program (``jax.experimental.
+serialize_executable``) under a digest of everything that decides its code, and loads it in
+a few milliseconds the next time any process needs it.
+
+Why not JAX's own persistent cache (``JAX_COMPILATION_CACHE_DIR``)? On the CPU platform it
+helps rank 0 only: its key hashes the process's own CPU topology, which differs from rank to
+rank, and only JAX process 0 writes entries (measured with jax 0.10.2: a warm cache gave rank
+0 a 4 ms load and ranks 1-3 a full compile). The key here is the program's
+:class:`~tpu_dist.collectives._lowering.ProgramKey` and the group's devices (ids, processes,
+kinds), the same on every rank of the group: the group's ranks share one entry, whichever
+rank wrote it (each loads it onto its own device).
+
+**Only programs this process really compiled are stored.** XLA:CPU (jaxlib 0.10.2) cannot
+serialize an executable that was itself loaded from a serialized one: the copy keeps the
+program's thunks, which name their kernels (``concatenate_bitcast_fusion``, ...), but not the
+kernels' object code, and nothing fails until the copy is loaded again and run:
+``NOT_FOUND: Function concatenate_bitcast_fusion not found (type id: 1)``, in the middle of a
+collective, on one rank. ``lowered.compile()`` returns such a loaded executable when JAX's
+persistent cache serves it (or when ``jax_share_binary_between_hosts`` sends it from another
+process), so :func:`watch_compile` tells a real compilation from a load by JAX's own
+monitoring events, and :func:`store` is only called for real ones. When it cannot tell (a
+JAX that no longer reports those events), nothing is stored: the cache is then off, not wrong.
+
+A program is bound to its devices: an executable compiled for devices (0, 1) does not run on
+(2, 3) (XLA: "local device count is 0"), so ``new_group([2, 3])`` compiles its own programs
+even when ``new_group([0, 1])`` has the same shapes; the cache then serves each group's
+programs to later processes.
+
+Ranks never disagree on a program: an entry is found only under the digest of the code that
+builds the program (``_lowering.py``, ``_runtime.py``), the program's key and devices, the
+JAX/jaxlib versions, the platform version and ``XLA_FLAGS``/``LIBTPU_INIT_ARGS``; XLA compiles
+the same program to the same code, so a rank that loads runs what a rank that compiles runs.
+
+Where (``TPU_DIST_COMPILE_CACHE``, :data:`tpu_dist._settings.COMPILE_CACHE`):
+
+* ``auto`` (default): on for the CPU platform, in ``$XDG_CACHE_HOME/tpu_dist/xla`` (or
+  ``~/.cache/tpu_dist/xla``); off on TPU and GPU, where it is not yet checked on hardware.
+* ``0`` / ``off``: off.
+* ``1`` / ``on``: the default directory, on every platform.
+* an absolute path: that directory, on every platform.
+
+Loading an executable runs code from the file, so the directory must be the user's own: it is
+created with mode 0700, and a directory owned by another user or writable by group or others
+is not used (with a warning once). Each entry is written whole (a temporary file renamed into
+place) and carries a SHA-256 of its contents, so a truncated or damaged entry is found when it
+is read, before XLA sees it, and is compiled again (with a warning) and replaced. The
+directory is trimmed to :data:`MAX_BYTES`, least recently used entries first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jaxlib
+
+from tpu_dist import _settings
+
+if TYPE_CHECKING:
+    from tpu_dist.collectives._lowering import ProgramKey
+
+logger = logging.getLogger(__name__)
+
+MAX_BYTES = 1 << 30
+"""The directory's size cap: past it, the least recently used entries are removed (checked once
+a process, at its first write)."""
+_MAGIC = b"tpu_dist-xla-entry-2\n"
+"""Every entry starts with this line, then the SHA-256 of the rest, then the serialized program."""
+_DIGEST_BYTES = 32
+_SUFFIX = ".xla"
+
+# JAX's monitoring events around a persistent-cache lookup (jax/_src/compiler.py).
+_JAX_CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+_JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+_lock = threading.Lock()
+_resolved: dict[str, Path | None] = {}  # platform -> directory (None: off), once a process
+_trimmed = False
+_warned: set[str] = set()
+_fingerprint: str | None = None
+_events = threading.local()
+_listening = False
+
+
+def _warn_once(what: str, message: str, *args: object) -> None:
+    if what not in _warned:
+        _warned.add(what)
+        logger.warning(message, *args)
+
+
+def default_directory() -> Path:
+    """``$XDG_CACHE_HOME/tpu_dist/xla``, or ``~/.cache/tpu_dist/xla``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tpu_dist" / "xla"
+
+
+def choose_directory(choice: str, platform: str) -> Path | None:
+    """Where ``choice`` (a parsed ``TPU_DIST_COMPILE_CACHE``) puts ``platform``'s programs.
+
+    Returns the directory, unchecked, or None when the cache is off for that platform.
+    """
+    if choice == "off" or (choice == "auto" and platform != "cpu"):
+        return None
+    if choice in ("auto", "on"):
+        return default_directory()
+    return Path(choice)
+
+
+def private_directory(path: Path) -> Path | None:
+    """``path``, created private to this user (mode 0700); None, warned once, if it cannot be
+    created or trusted (owned by another user, or writable by group or others)."""
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        info = path.stat()
+    except OSError as err:
+        _warn_once(
+            f"mkdir:{path}", "tpu_dist: cannot use %s=%s (%s); collective programs are "
+            "compiled without the compile cache.", _settings.COMPILE_CACHE.env, path, err,
+        )
+        return None
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        _warn_once(
+            f"unsafe:{path}", "tpu_dist: not using the compile cache %s: it is owned by uid %d "
+            "(you are %d) with mode %o, and loading a program from it runs its code. Point %s "
+            "at a directory of your own that only you can write (mode 0700), or set it to 0.",
+            path, info.st_uid, os.getuid(), info.st_mode & 0o777, _settings.COMPILE_CACHE.env,
+        )
+        return None
+    return path
+
+
+def directory(platform: str) -> Path | None:
+    """The cache directory for programs of ``platform``, or None when the cache is off.
+
+    Reads ``TPU_DIST_COMPILE_CACHE`` once per platform and process.
+
+    Raises:
+        ValueError: ``TPU_DIST_COMPILE_CACHE`` is malformed (the message names it).
+    """
+    if platform in _resolved:
+        return _resolved[platform]
+    path = choose_directory(_settings.COMPILE_CACHE.get(), platform)
+    if path is not None:
+        path = private_directory(path)
+    _resolved[platform] = path
+    return path
+
+
+def _code_fingerprint() -> str:
+    """A digest of the code that builds programs: ``_lowering.py`` and ``_runtime.py``."""
+    from tpu_dist.collectives import _lowering, _runtime
+
+    digest = hashlib.sha256()
+    for module in (_lowering, _runtime):
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
+def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
+    """The file name of ``key``'s program over ``devices``: a digest of all that decides it."""
+    global _fingerprint
+    if _fingerprint is None:
+        _fingerprint = _code_fingerprint()
+    client = devices[0].client
+    parts = (
+        _MAGIC, jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
+        _fingerprint, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
+        jax.process_count(), key.kind, key.devices, key.blocks, key.params,
+        tuple((d.id, d.process_index, d.device_kind) for d in devices),
+    )
+    digest = hashlib.sha256(repr(parts).encode()).hexdigest()
+    return f"{key.kind}-{digest[:40]}{_SUFFIX}"
+
+
+# -- telling a compilation from a load ---------------------------------------------------------
+
+
+@dataclass
+class CompileWatch:
+    """What :func:`watch_compile` saw of one ``lowered.compile()``."""
+
+    compiled: bool | None = None
+    """True: XLA compiled the program in this call, so it can be serialized whole. False: JAX
+    handed back a loaded copy (its persistent cache, or another process with
+    ``jax_share_binary_between_hosts``), or it could not be told; never store it then."""
+    reason: str = ""
+    """Why ``compiled`` is False."""
+
+
+def _on_jax_event(event: str, **kwargs: object) -> None:
+    seen = getattr(_events, "seen", None)
+    if seen is not None:
+        seen.add(event)
+
+
+@contextlib.contextmanager
+def watch_compile() -> Iterator[CompileWatch]:
+    """Around one ``lowered.compile()`` in this thread: whether XLA really compiled it.
+
+    JAX's persistent cache reports each lookup and each hit as a monitoring event
+    (``jax.monitoring``), in the thread that compiles; this listens for them in this thread
+    only, so compilations in other threads do not count.
+    """
+    global _listening
+    with _lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_on_jax_event)
+            _listening = True
+    watch = CompileWatch()
+    _events.seen = seen = set()
+    try:
+        yield watch
+    finally:
+        _events.seen = None
+    watch.compiled, watch.reason = _judge(seen)
+
+
+def _judge(seen: set[str]) -> tuple[bool, str]:
+    if jax.config.jax_share_binary_between_hosts:
+        return False, "jax_share_binary_between_hosts is on (the program may be another process's)"
+    if _JAX_CACHE_HIT_EVENT in seen:
+        return False, "JAX's persistent compilation cache served it"
+    jax_cache_on = bool(jax.config.jax_compilation_cache_dir) and bool(
+        jax.config.jax_enable_compilation_cache
+    )
+    if jax_cache_on and _JAX_CACHE_LOOKUP_EVENT not in seen:
+        return False, (
+            "JAX's persistent compilation cache is on and this JAX did not report its lookup, "
+            "so a load cannot be told from a compilation"
+        )
+    return True, ""
+
+
+# -- entries -----------------------------------------------------------------------------------
+
+
+def _trees(n_args: int) -> tuple:
+    # Every program takes n 1-D arrays and returns n: its argument and result trees.
+    leaves = (0,) * n_args
+    return jax.tree_util.tree_structure((leaves, {})), jax.tree_util.tree_structure(leaves)
+
+
+def load(
+    key: ProgramKey, devices: Sequence[jax.Device], platform: str
+) -> jax.stages.Compiled | None:
+    """``key``'s compiled program from the cache, or None (off, not there, or unusable: a
+    damaged entry is warned about and left to be replaced by the next :func:`store`)."""
+    from jax.experimental import serialize_executable
+
+    root = directory(platform)
+    if root is None:
+        return None
+    path = root / entry_name(key, devices)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
+                   "compiling the program instead.", path, err)
+        return None
+    header = len(_MAGIC) + _DIGEST_BYTES
+    blob = data[header:]
+    if (
+        not data.startswith(_MAGIC)
+        or len(data) <= header
+        or hashlib.sha256(blob).digest() != data[len(_MAGIC):header]
+    ):
+        _warn_once(
+            f"damaged:{path}", "tpu_dist: the compile cache entry %s is damaged or truncated "
+            "(%d bytes, its checksum does not match); compiling the program again and "
+            "replacing it.", path, len(data),
+        )
+        return None
+    in_tree, out_tree = _trees(len(key.blocks))
+    try:
+        compiled = serialize_executable.deserialize_and_load(
+            blob, in_tree, out_tree, devices[0].client, list(devices)
+        )
+    except Exception as err:  # noqa: BLE001 - an entry XLA refuses is a miss, compiled again
+        _warn_once(
+            f"load:{path}", "tpu_dist: the compile cache entry %s did not load (%s: %s); "
+            "compiling the program again and replacing it.", path, type(err).__name__, err,
+        )
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # trimming removes the least recently used entries first
+    return compiled
+
+
+def store(
+    key: ProgramKey, devices: Sequence[jax.Device], platform: str,
+    compiled: jax.stages.Compiled,
+) -> None:
+    """Put ``key``'s program, which XLA compiled in this process (:func:`watch_compile`), in
+    the cache (when on). Failures only warn: the program runs all the same."""
+    from jax.experimental import serialize_executable
+
+    root = directory(platform)
+    if root is None:
+        return
+    try:
+        blob, _, _ = serialize_executable.serialize(compiled)
+    except Exception as err:  # noqa: BLE001 - a program that cannot be stored is still usable
+        _warn_once(f"serialize:{key.kind}", "tpu_dist: cannot serialize a %s program for the "
+                   "compile cache (%s: %s).", key.kind, type(err).__name__, err)
+        return
+    path = root / entry_name(key, devices)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(_MAGIC)
+                out.write(hashlib.sha256(blob).digest())
+                out.write(blob)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as err:
+        _warn_once(f"write:{root}", "tpu_dist: cannot write the compile cache entry %s: %s",
+                   path, err)
+        return
+    _trim_once(root)
+
+
+def _trim_once(root: Path) -> None:
+    """Remove the least recently used entries while the directory holds more than
+    :data:`MAX_BYTES`."""
+    global _trimmed
+    with _lock:
+        if _trimmed:
+            return
+        _trimmed = True
+    entries = []
+    for entry in os.scandir(root):
+        with contextlib.suppress(OSError):
+            if entry.name.endswith(_SUFFIX):
+                info = entry.stat()
+                entries.append((info.st_mtime, info.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    for _, size, path in sorted(entries):
+        if total <= MAX_BYTES:
+            break
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        total -= size
