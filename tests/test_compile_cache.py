@@ -236,3 +236,36 @@ def test_malformed_setting_fails_init_naming_the_variable(tmp_path: Path) -> Non
     assert proc.returncode != 0
     assert "ValueError: TPU_DIST_COMPILE_CACHE='relative/dir'" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "relative").exists()
+
+
+_NAMES = textwrap.dedent(
+    """
+    import dataclasses, json
+    import jax
+    from tpu_dist.collectives import ProgramKey
+    from tpu_dist.collectives._compile_cache import entry_name
+
+    devices = jax.devices("cpu")[:1]
+    base = ProgramKey("allreduce", (devices[0].id,), ((8, "float32"),), ("SUM",), "exchange")
+    changed = {
+        "kind": "allgather", "devices": (devices[0].id + 1,), "blocks": ((9, "float32"),),
+        "params": ("MAX",), "algorithm": "xla",
+    }
+    assert set(changed) == {f.name for f in dataclasses.fields(ProgramKey)}, "a new field"
+    names = [entry_name(base, devices)]
+    names += [entry_name(dataclasses.replace(base, **{f: v}), devices) for f, v in changed.items()]
+    print("RESULT" + json.dumps(names))
+    """
+)
+
+
+def test_every_field_of_the_program_key_names_its_own_entry() -> None:
+    """Two programs that differ in any field of their key (the algorithm too: an exchange and
+    XLA's all-reduce of the same blocks) must never share a cache entry."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", _NAMES], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    names = json.loads(lines[-1][len("RESULT"):])
+    assert len(names) == 6 and len(set(names)) == 6, names

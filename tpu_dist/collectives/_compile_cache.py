@@ -55,6 +55,7 @@ directory is trimmed to :data:`MAX_BYTES`, least recently used entries first.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -179,7 +180,7 @@ def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
     parts = (
         _MAGIC, jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
         _fingerprint, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-        jax.process_count(), key.kind, key.devices, key.blocks, key.params,
+        jax.process_count(), dataclasses.astuple(key),
         tuple((d.id, d.process_index, d.device_kind) for d in devices),
     )
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
