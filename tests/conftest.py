@@ -93,6 +93,22 @@ def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World
     )
 
 
+_LONGEST_FIRST = (
+    "test_examples", "test_compile_only", "test_launch_faults", "test_backend_lifecycle",
+    "test_launch_restart", "test_fsdp_tp_ddp", "test_dtensor", "test_launch_failures",
+    "test_reliability", "test_bench", "test_tpu_compile", "test_torch_suite",
+)
+"""The modules that take longest (``--durations``), longest first. ``pytest -n 2 --dist
+loadfile`` hands whole modules to the two workers in collection order; started last (as their
+names sort), long modules kept one worker busy minutes after the other had run out of work."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Runs :data:`_LONGEST_FIRST` modules first, in that order; the rest keep theirs."""
+    first = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(first)))
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Close any World a test left open, so that no worker outlives the session."""
     close_all_worlds()
