@@ -33,8 +33,12 @@ def _raise_policy_world(world_size: int, timeout_s: int, records: os.PathLike) -
                  init_kwargs={"timeout": datetime.timedelta(seconds=timeout_s)})
 
 
-def _skip_one_collective(rank: int, world_size: int, late_rank: int) -> str:
+def _skip_one_collective(
+    rank: int, world_size: int, late_rank: int, slow_rank: int | None = None
+) -> str:
     """Every rank but ``late_rank`` all-reduces; ``late_rank`` stays away for a while.
+    ``slow_rank`` joins 2 s after the others, so the group has failed (on the ranks that timed
+    out first) before its own timeout would end its wait.
 
     A first all_reduce of the same shape runs on every rank, so the second finds its
     program compiled and XLA's communicators set up (an async dispatch).
@@ -44,6 +48,8 @@ def _skip_one_collective(rank: int, world_size: int, late_rank: int) -> str:
     if rank == late_rank:
         time.sleep(12)
         return "late rank slept"
+    if rank == slow_rank:
+        time.sleep(2)
     before = t.clone()
     try:
         dist.all_reduce(t)
@@ -56,19 +62,21 @@ def _skip_one_collective(rank: int, world_size: int, late_rank: int) -> str:
 def test_timeout_raises_naming_the_missing_rank(tmp_path) -> None:
     with _raise_policy_world(3, 5, tmp_path) as world:
         start = time.monotonic()
-        results = world.run(_skip_one_collective, 1)
+        results = world.run(_skip_one_collective, 1, 2)
     for rank in (0, 2):
         message = results[rank]
         assert "timed out after 5 s" in message, message
         assert "all_reduce" in message and "collective #2" in message
         assert "did not arrive: [1]" in message
     assert time.monotonic() - start < 60
-    # The watchdog dumped the flight records; the analyzer says who is behind.
+    # Rank 2 failed because rank 0 failed the group; it wrote its flight record all the same.
+    assert "tpu_dist_fr_rank2.json" in results[2], results[2]
+    # The watchdogs dumped the flight records; the analyzer says who is behind.
     out = subprocess.run(
         [sys.executable, "-m", "tpu_dist.collectives.flight_recorder", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )
-    assert "never completed on ranks [0, 2]" in out.stdout or "behind" in out.stdout, out.stdout
+    assert "never completed on ranks [0, 2]" in out.stdout, out.stdout
 
 
 def test_timeout_aborts_by_default_with_a_message(tmp_path) -> None:

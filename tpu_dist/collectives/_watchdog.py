@@ -357,11 +357,19 @@ class Watchdog:
                 reason = self._failed_groups.get(item.group)
                 if reason is not None and id(item.work) not in self._fired:
                     self._fired.add(id(item.work))
-                    item.work.interrupt(dist.DistBackendError(
+                    message = (
                         f"tpu_dist: {item.op} (collective #{item.seq} of group "
                         f"{item.group!r}) failed on rank {self.rank}: the group failed "
                         f"({reason})."
-                    ))
+                    )
+                    # Every rank whose collective fails writes its record, not only the one
+                    # that timed out first: the analyzer needs them all to say who is behind.
+                    try:
+                        path = flight_recorder.recorder().dump(reason=message)
+                        message += f" Flight record: {path}."
+                    except OSError as err:
+                        message += f" (flight record not written: {err})"
+                    item.work.interrupt(dist.DistBackendError(message))
             for item in old_enough:
                 if id(item.work) in self._fired:
                     continue
