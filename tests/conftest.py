@@ -99,8 +99,10 @@ _LONGEST_FIRST = (
     "test_reliability", "test_bench", "test_tpu_compile", "test_torch_suite",
 )
 """The modules that take longest (``--durations``), longest first. ``pytest -n 2 --dist
-loadfile`` hands whole modules to the two workers in collection order; started last (as their
-names sort), long modules kept one worker busy minutes after the other had run out of work."""
+loadfile`` hands whole modules to the two workers in collection order, and a long module
+handed out last (as the names sort, several were) can leave the other worker without work.
+Measured from clean clones: 10:40 without it (a3b63b9), 10:02 with it (4649885), within
+noise; the two workers' test times then summed to 1.95x the wall time: little idle end left."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
