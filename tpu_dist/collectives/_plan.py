@@ -356,6 +356,28 @@ def _check_pair(
     _checks.check_numel(op, big, small.numel() * group.size, what)
 
 
+def _check_coalesced_pairs(
+    op: str,
+    group: GroupView,
+    outputs: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    outputs_are_big: bool,
+) -> None:
+    """One output per input, each pair a :func:`_check_pair` (the gathered side ``group.size``
+    times the other: the outputs of an all-gather, the inputs of a reduce-scatter)."""
+    if len(outputs) != len(inputs):
+        raise ValueError(
+            f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
+            "output per input."
+        )
+    for i, (out, inp) in enumerate(zip(outputs, inputs)):
+        if outputs_are_big:
+            _check_pair(op, group, out, inp, f"outputs[{i}]")
+        else:
+            _check_pair(op, group, inp, out, f"inputs[{i}]")
+        _checks.check_output(op, out, f"outputs[{i}]")
+
+
 def _check_outputs(
     op: str, reference: torch.Tensor, outputs: Sequence[torch.Tensor], what: str
 ) -> None:
@@ -462,14 +484,7 @@ def all_gather_into_tensor_coalesced(
 ) -> Plan:
     """``all_gather_into_tensor`` of each input into its output, in one program."""
     op = "all_gather_into_tensor_coalesced"
-    if len(outputs) != len(inputs):
-        raise ValueError(
-            f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
-            "output per input."
-        )
-    for i, (out, inp) in enumerate(zip(outputs, inputs)):
-        _check_pair(op, group, out, inp, f"outputs[{i}]")
-        _checks.check_output(op, out, f"outputs[{i}]")
+    _check_coalesced_pairs(op, group, outputs, inputs, outputs_are_big=True)
     if not inputs:
         return _completed(op, [])
     return _program(group, op, "allgather", (), [words(t) for t in inputs], _writes(outputs))
@@ -583,14 +598,7 @@ def reduce_scatter_tensor_coalesced(
 ) -> Plan:
     """``reduce_scatter_tensor`` of each input into its output, in one program."""
     op = "reduce_scatter_tensor_coalesced"
-    if len(outputs) != len(inputs):
-        raise ValueError(
-            f"{op}: got {len(outputs)} outputs for {len(inputs)} inputs; pass one "
-            "output per input."
-        )
-    for i, (out, inp) in enumerate(zip(outputs, inputs)):
-        _check_pair(op, group, inp, out, f"inputs[{i}]")
-        _checks.check_output(op, out, f"outputs[{i}]")
+    _check_coalesced_pairs(op, group, outputs, inputs, outputs_are_big=False)
     if not inputs:
         return _completed(op, [])
     params = _one_kind(op, inputs, reduce_op)
