@@ -493,6 +493,12 @@ class World:
             left = limit - time.monotonic()
             if left <= 0:
                 break
+            if failed_at is not None:
+                # A stopped rank (SIGSTOP) cannot return: once only such ranks are left, the
+                # grace is over. Look again every half second while others may still return.
+                if all(self._stopped(r) for r in pending):
+                    break
+                left = min(left, 0.5)
             by_handle: dict[Any, tuple[int, bool]] = {}
             for rank in pending:
                 by_handle[self._conns[rank]] = (rank, True)
@@ -601,8 +607,23 @@ class World:
             restarted=True,
         )
 
+    def _stopped(self, rank: int) -> bool:
+        """Whether ``rank``'s worker is stopped (SIGSTOP: state T), so it can run no handler."""
+        try:
+            with open(f"/proc/{self._procs[rank].pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+        except (OSError, IndexError):
+            return False
+
     def _dump_stacks(self, ranks: Sequence[int], offsets: Sequence[int]) -> dict[int, str]:
-        """SIGUSR1 the ranks (faulthandler dumps all threads to stderr) and read the dumps."""
+        """SIGUSR1 the ranks (faulthandler dumps all threads to stderr) and read the dumps.
+
+        A stopped rank cannot dump: it gets a note saying so instead of a 5 s wait.
+        """
+        stopped = {rank: "(stopped: SIGSTOP, no stacks)" for rank in ranks if self._stopped(rank)}
+        ranks = [rank for rank in ranks if rank not in stopped]
+        if not ranks:
+            return stopped
         for rank in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self._procs[rank].pid, signal.SIGUSR1)
@@ -617,7 +638,7 @@ class World:
                 # not grown for 0.3 s is complete.
                 stable[rank] = stable[rank] + 1 if text and text == dumps[rank] else 0
                 dumps[rank] = text
-        return dumps
+        return {**dumps, **stopped}
 
     def _signal_all(self, sig: signal.Signals) -> None:
         """Signal each worker's process group (the worker and anything it started).

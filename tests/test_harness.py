@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import time
 from collections.abc import Callable
 from typing import Any
@@ -96,6 +97,13 @@ def _rank1_exits(rank: int, world_size: int) -> None:
     if rank == 1:
         os._exit(3)
     dist.all_reduce(torch.ones(1))
+
+
+def _rank1_stops_rank0_raises(rank: int, world_size: int) -> None:
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # can return only after a SIGCONT
+    time.sleep(0.5)
+    raise RuntimeError("rank 0 failed while rank 1 is stopped")
 
 
 def _init_by_env(rank: int, world_size: int) -> list[Any]:
@@ -225,6 +233,24 @@ def test_dead_rank_is_reported_quickly_with_exit_code(worlds: Callable[..., Worl
     assert elapsed < 10.0, f"a dead rank took {elapsed:.1f} s to report (timeout: 60 s)"
     assert info.value.exitcodes == {1: 3} and info.value.restarted
     assert "rank 1 exited with code 3" in str(info.value)
+    assert _all_gone(old_pids)
+    assert world.run(_print_and_return) == [0, 1]
+
+
+def test_stopped_rank_ends_the_grace_at_once(worlds: Callable[..., World]) -> None:
+    world = worlds(2)
+    assert world.failure_grace == 5.0
+    old_pids = world.pids
+    start = time.monotonic()
+    with pytest.raises(WorldError) as info:
+        world.run(_rank1_stops_rank0_raises, timeout=60.0)
+    elapsed = time.monotonic() - start
+    # Waiting out the grace (5 s) and a stack dump from the stopped rank (5 s) would gain nothing.
+    assert elapsed < 4.0, f"a stopped rank kept the failed run waiting {elapsed:.1f} s"
+    err = info.value
+    assert err.timed_out == [1] and err.restarted
+    assert "rank 0 failed while rank 1 is stopped" in err.errors[0]
+    assert err.stacks[1] == "(stopped: SIGSTOP, no stacks)"
     assert _all_gone(old_pids)
     assert world.run(_print_and_return) == [0, 1]
 
