@@ -199,6 +199,24 @@ def test_a_failing_worker_that_imported_torch_prints_only_its_own_error(tmp_path
     assert "Warning" not in err, err
 
 
+def test_the_worker_entry_imports_nothing_outside_the_standard_library(tmp_path: Path) -> None:
+    """The user's program starts with only what its own imports bring in: no torch, no JAX,
+    no tpu_dist (whose import would also register the backend before the program runs)."""
+    script = tmp_path / "modules.py"
+    script.write_text(
+        "import sys\n"
+        "heavy = sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'jax', 'tpu_dist'})\n"
+        "print('imported before the program:', heavy)\n"
+    )
+    rc, out, err = run_launcher(["--nproc-per-node", "1", str(script)])
+    assert rc == 0, err
+    assert "imported before the program: []" in out, out + err
+    from tpu_dist import _settings
+    from tpu_dist.launch import _worker
+
+    assert _worker.EXIT_CODE_VAR == _settings.EXIT_CODE.env
+
+
 def test_root_cause_orders_failures_of_the_same_second_by_exit_time(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

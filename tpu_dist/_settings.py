@@ -13,7 +13,9 @@ The launcher's own flags (``tpu-launch --emulate`` / ``TPU_DIST_TOPOLOGY``, ``--
 the name declared here. Variables the launcher hands only to its own worker entry
 (``TPU_DIST_LAUNCH_*``) are declared in :mod:`tpu_dist.launch._worker`.
 
-Importing this module is cheap (no torch, no JAX): the launcher and the mesh planner use it.
+This module imports neither torch nor JAX, but as a submodule of ``tpu_dist`` it is reached
+only through ``tpu_dist/__init__.py``, which imports both: code that must stay free of them (the
+launcher's worker entry, :mod:`tpu_dist.launch._worker`) spells out the names it needs.
 """
 
 from __future__ import annotations

@@ -47,8 +47,6 @@ import time
 import traceback
 from types import TracebackType
 
-from tpu_dist import _settings
-
 WORKER_ENV_VAR = "TPU_DIST_LAUNCH_WORKER_ENV"
 LAUNCHER_PID_VAR = "TPU_DIST_LAUNCH_PID"
 QUIET_GLOO_VAR = "TPU_DIST_LAUNCH_QUIET_GLOO"
@@ -130,7 +128,11 @@ the time (``time.time()``) its program ended. elastic's failure timestamps have 
 resolution, too coarse to tell which of two ranks that failed together failed first (the
 launcher's root cause)."""
 
-EXIT_CODE_VAR = _settings.EXIT_CODE.env
+# tpu_dist._settings.EXIT_CODE's name, spelled out: importing anything under tpu_dist first
+# runs tpu_dist/__init__.py (torch, JAX and the backend's registration, 1.4 s) before the user's
+# program. tests/test_launch_failures.py checks both that the names agree and that the entry
+# imports nothing outside the standard library.
+EXIT_CODE_VAR = "TPU_DIST_EXIT_CODE"
 """The exit code the user's program is leaving with, set here when it ends. A process whose
 collective program is stuck in XLA cannot go through JAX's teardown and leaves with
 ``os._exit`` instead; tpu_dist.collectives reads this variable to keep the program's own code."""
