@@ -64,6 +64,8 @@ Failures, all reported by :meth:`World.run` as a :class:`WorldError` (an ``Asser
 * A rank does not return within the run's timeout (or within ``failure_grace`` seconds after
   another rank failed): every live rank's Python stacks are dumped with ``faulthandler``
   (SIGUSR1) and put in the message, the world is killed, and the next run starts a fresh world.
+  A stopped rank (SIGSTOP) can neither return nor dump: once only such ranks are left, the
+  grace ends at once and their stacks read ``(stopped: SIGSTOP, no stacks)``.
 * A rank dies (``os._exit``, a signal, a segfault): detected at once; the message gives its exit
   code and the end of its output; the world is killed and restarted by the next run.
 
