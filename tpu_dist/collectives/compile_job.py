@@ -35,7 +35,6 @@ __all__ = [
     "compile_recorded",
     "enabled",
     "estimate_seconds",
-    "start_compiler",
     "world_devices",
     "write_report",
 ]
@@ -58,7 +57,6 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
 # -- the world's devices -------------------------------------------------------------------------
 
 _world: tuple[Topology, list[Any]] | None = None
-_started: _Compiler | None = None  # started by start_compiler, taken by compile_recorded
 
 
 def _libtpu_topology(topology: Topology) -> str:
@@ -291,9 +289,6 @@ class _Compiler:
         self._proc: Any = None
         self._conn: Any = None
 
-    def matches(self, topology: Topology) -> bool:
-        return (self._spec, self._slices) == (topology.spec, topology.num_slices)
-
     def _start(self) -> None:
         import multiprocessing
 
@@ -337,20 +332,6 @@ class _Compiler:
             self._proc = self._conn = None
 
 
-def start_compiler(topology: Topology) -> None:
-    """Start the compiler process for ``topology`` now, while the script runs.
-
-    Its start (Python, torch, JAX, libtpu describing the topology: several seconds) then
-    overlaps the script instead of following it. :func:`compile_recorded` takes it when the
-    topology is the same; otherwise, or without this call, it starts one itself.
-    ``tpu-launch --compile-only`` calls this before it runs the script.
-    """
-    global _started
-    if _started is None:
-        _started = _Compiler(topology)
-        _started._start()
-
-
 def compile_recorded(
     rank: int,
     script_seconds: float = 0.0,
@@ -369,12 +350,8 @@ def compile_recorded(
         def progress(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
-    global _started
     calls = recorder.recorded()
     if _world is None:
-        if _started is not None:
-            _started.close()
-            _started = None
         raise RuntimeError(
             "compile_recorded: no 'tpu' process group was created in compile-only mode "
             f"({COMPILE_ONLY_ENV}=1 before init_process_group('tpu'))"
@@ -383,11 +360,7 @@ def compile_recorded(
     programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
     started = time.monotonic()
     distinct = list(dict.fromkeys(c.key for c in calls))
-    compiler, _started = _started, None
-    if compiler is None or not compiler.matches(topology):
-        if compiler is not None:
-            compiler.close()
-        compiler = _Compiler(topology)
+    compiler = _Compiler(topology)
     try:
         for i, key in enumerate(distinct, 1):
             programs[key] = outcome = compiler.compile(key)

@@ -149,15 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    from tpu_dist.collectives import compile_job
-    from tpu_dist.mesh import Topology
-
-    if topology:  # the compiler process starts while the script runs
-        compile_job.start_compiler(Topology.parse(topology, slices))
     store = _serve_store()
     started = time.monotonic()
     code = _run_script(mode, target, args)
     script_seconds = time.monotonic() - started
+    from tpu_dist.collectives import compile_job
+
     try:
         report = compile_job.compile_recorded(rank, script_seconds)
     except RuntimeError as err:
