@@ -46,7 +46,7 @@ def _skip_one_collective(
     t = torch.arange(4.0) + rank
     dist.all_reduce(t.clone())
     if rank == late_rank:
-        time.sleep(12)
+        time.sleep(8)  # past the others' timeouts; it never joins either way
         return "late rank slept"
     if rank == slow_rank:
         time.sleep(2)
@@ -294,7 +294,7 @@ def _send_nobody_receives(rank: int, world_size: int) -> str:
     else:
         dist.recv(t, 0)
     if rank == 1:
-        time.sleep(12)
+        time.sleep(7)  # past rank 0's 5 s timeout; it never receives either way
         return "late rank slept"
     try:
         dist.send(t, 1)
