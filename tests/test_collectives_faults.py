@@ -285,3 +285,192 @@ def test_broadcast_with_different_src_per_rank_raises_on_tpu(
     results = worlds(2, backend="tpu", timeout=120).run(_broadcast_different_src)
     assert results == [("different src", [1.0] * 4 + [1.0, 1.0]),
                        ("different src", [2.0] * 4 + [1.0, 1.0])]
+
+
+# -- issue 15: the group object takes the call forms of c10d's ProcessGroup -----------------
+
+
+def _call_forms(rank: int, world_size: int) -> dict:
+    """Each short form c10d's ProcessGroup accepts, called on the default group object.
+
+    Every rank can compute every result (inputs depend on the rank only), so the expectations
+    are written in the test; gloo (c10d's own overloads) checks them.
+    """
+    from datetime import timedelta
+
+    pg = dist.distributed_c10d._get_default_group()
+    def mine(salt: float) -> torch.Tensor:
+        return torch.arange(3.0) + 10 * rank + salt
+
+    got: dict = {}
+
+    def keep(name: str, work, tensor) -> None:
+        work.wait()
+        got[name] = tensor.tolist() if isinstance(tensor, torch.Tensor) else [
+            t.tolist() for t in tensor]
+
+    t = mine(0)
+    keep("allreduce(t)", pg.allreduce(t), t)
+    t = mine(1)
+    keep("allreduce([t])", pg.allreduce([t]), t)
+    t = mine(2)
+    keep("allreduce((t,), MAX)", pg.allreduce((t,), dist.ReduceOp.MAX), t)
+    t = mine(3)
+    keep("allreduce(t, op=MIN, timeout)",
+         pg.allreduce(t, op=dist.ReduceOp.MIN, timeout=timedelta(seconds=60)), t)
+    t = mine(4)
+    keep("allreduce(tensor=t)", pg.allreduce(tensor=t), t)
+    t = mine(5)  # only the root's result is defined (gloo writes into the others' too)
+    keep("reduce(t, 1)", pg.reduce(t, 1), t if rank == 1 else [])
+    t = mine(6)
+    keep("reduce(t, root=0, op=MAX)", pg.reduce(t, root=0, op=dist.ReduceOp.MAX),
+         t if rank == 0 else [])
+    t = mine(7)
+    keep("broadcast(t, 1)", pg.broadcast(t, 1), t)
+    t = mine(8)
+    keep("broadcast([t])", pg.broadcast([t]), t)  # root 0: the default options
+    outs = [torch.empty(3) for _ in range(world_size)]
+    keep("allgather(outs, t)", pg.allgather(outs, mine(9)), outs)
+    outs = [[torch.empty(3) for _ in range(world_size)]]
+    keep("allgather([outs], [t])", pg.allgather(outs, [mine(10)]), outs[0])
+    outs = [torch.empty(3) for _ in range(world_size)] if rank == 0 else []
+    keep("gather(outs, t, 0)", pg.gather(outs, mine(11), 0), outs)
+    out = torch.empty(3)
+    ins = [mine(12) + 100 * r for r in range(world_size)] if rank == 1 else []
+    keep("scatter(out, ins, 1)", pg.scatter(out, ins, 1), out)
+    out = torch.empty(3)
+    keep("reduce_scatter(out, ins)",
+         pg.reduce_scatter(out, [mine(13) + 100 * r for r in range(world_size)]), out)
+    keep("barrier()", pg.barrier(), [])
+    keep("barrier(timeout)", pg.barrier(timedelta(seconds=60)), [])
+    keep("barrier(timeout=)", pg.barrier(timeout=timedelta(seconds=60)), [])
+    out = torch.empty(world_size * 3)
+    keep("_allgather_base(out, t)", pg._allgather_base(out, mine(14)), out)
+    out = torch.empty(3)
+    keep("_reduce_scatter_base(out, t)", pg._reduce_scatter_base(out, torch.arange(6.0) + rank), out)
+    out = torch.empty(world_size * 3)
+    keep("alltoall_base(out, t, [], [], timeout)",
+         pg.alltoall_base(out, torch.arange(6.0) + 10 * rank, [], [], timedelta(seconds=60)), out)
+    refused = {}
+    for name, call in (
+        ("allreduce('x')", lambda: pg.allreduce("x")),
+        ("allreduce(t, 3)", lambda: pg.allreduce(torch.ones(1), 3)),
+        ("broadcast([t], 0)", lambda: pg.broadcast([torch.ones(1)], 0)),  # a list needs opts
+    ):
+        try:
+            call()
+            refused[name] = "accepted"
+        except TypeError as err:
+            refused[name] = "TypeError"
+            got.setdefault("messages", []).append(str(err))
+    got["refused"] = refused
+    check = torch.full((2,), float(rank))  # nothing was sent by a refused call
+    keep("after", pg.allreduce(check), check)
+    return got
+
+
+def _expected_call_forms(rank: int, world_size: int) -> dict:
+    def of(r: int, salt: float) -> torch.Tensor:
+        return torch.arange(3.0) + 10 * r + salt
+
+    def every(salt: float) -> list[torch.Tensor]:
+        return [of(r, salt) for r in range(world_size)]
+
+    def total(salt: float) -> list[float]:
+        return sum(every(salt)).tolist()
+
+    return {
+        "allreduce(t)": total(0),
+        "allreduce([t])": total(1),
+        "allreduce((t,), MAX)": of(world_size - 1, 2).tolist(),
+        "allreduce(t, op=MIN, timeout)": of(0, 3).tolist(),
+        "allreduce(tensor=t)": total(4),
+        "reduce(t, 1)": total(5) if rank == 1 else [],
+        "reduce(t, root=0, op=MAX)": of(world_size - 1, 6).tolist() if rank == 0 else [],
+        "broadcast(t, 1)": of(1, 7).tolist(),
+        "broadcast([t])": of(0, 8).tolist(),
+        "allgather(outs, t)": [t.tolist() for t in every(9)],
+        "allgather([outs], [t])": [t.tolist() for t in every(10)],
+        "gather(outs, t, 0)": [t.tolist() for t in every(11)] if rank == 0 else [],
+        "scatter(out, ins, 1)": (of(1, 12) + 100 * rank).tolist(),
+        "reduce_scatter(out, ins)": (sum(every(13)) + world_size * 100 * rank).tolist(),
+        "barrier()": [],
+        "barrier(timeout)": [],
+        "barrier(timeout=)": [],
+        "_allgather_base(out, t)": torch.cat(every(14)).tolist(),
+        "_reduce_scatter_base(out, t)": (
+            sum(torch.arange(6.0) + r for r in range(world_size))[3 * rank:3 * rank + 3].tolist()),
+        "alltoall_base(out, t, [], [], timeout)": torch.cat(
+            [(torch.arange(6.0) + 10 * r)[3 * rank:3 * rank + 3] for r in range(world_size)]
+        ).tolist(),
+        "refused": {"allreduce('x')": "TypeError", "allreduce(t, 3)": "TypeError",
+                    "broadcast([t], 0)": "TypeError"},
+        "after": [1.0, 1.0],
+    }
+
+
+def test_group_object_takes_c10d_call_forms(world: World) -> None:
+    results = world.run(_call_forms)
+    for rank, got in enumerate(results):
+        messages = got.pop("messages")
+        assert got == _expected_call_forms(rank, 2), f"rank {rank}"
+        # Each refusal names the op, what was passed and the forms accepted (c10d's words
+        # on gloo, tpu_dist's on "tpu").
+        assert "allreduce" in messages[0] and "'x'" in messages[0] and "1." in messages[0]
+        assert "broadcast" in messages[2] and "2." in messages[2]
+
+
+def _ddp_join_unused(rank: int, world_size: int) -> dict:
+    """DDP with find_unused_parameters, uneven inputs under join(), a hook on the group object.
+
+    Rank 0 trains 3 steps and rank 1 5: under ``join()`` rank 0 then shadows rank 1's last two
+    backward passes (its hook on zero buckets, and the unused-parameter map all-reduced with
+    ``process_group.allreduce(tensor)``). The ``fc_even`` branch is used on even steps only.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.fc_even = torch.nn.Linear(4, 4)
+            self.fc_never = torch.nn.Linear(4, 4)  # never used: its gradient stays unset
+
+        def forward(self, x: torch.Tensor, step: int) -> torch.Tensor:
+            x = torch.relu(self.fc(x))
+            return self.fc_even(x) if step % 2 == 0 else x
+
+    torch.manual_seed(0)
+    model = DDP(Net(), find_unused_parameters=True)
+
+    def hook(pg, bucket):  # the group object, called in its one-tensor form
+        buffer = bucket.buffer().div_(pg.size())
+        return pg.allreduce(buffer).get_future().then(lambda fut: fut.value()[0])
+
+    model.register_comm_hook(dist.distributed_c10d._get_default_group(), hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 3 if rank == 0 else 5
+    with model.join():
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(100 * rank + step)
+            x = torch.randn(8, 4, generator=gen)
+            optimizer.zero_grad()
+            model(x, step).pow(2).mean().backward()
+            optimizer.step()
+    return {name: p.detach().clone() for name, p in model.module.named_parameters()}
+
+
+def test_ddp_join_unused_parameters_and_group_allreduce_hook(
+    worlds: Callable[..., World],
+) -> None:
+    on_tpu = worlds(2, backend="tpu", timeout=120).run(_ddp_join_unused)
+    on_gloo = worlds(2, backend="gloo", timeout=120).run(_ddp_join_unused)
+    for rank in range(2):
+        assert on_tpu[rank].keys() == on_gloo[rank].keys()
+        for name, value in on_gloo[rank].items():
+            torch.testing.assert_close(on_tpu[rank][name], value, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(on_tpu[rank][name], on_tpu[0][name])  # ranks agree
+    torch.manual_seed(0)
+    first = torch.nn.Linear(4, 4)  # fc's initial weights: the steps were not no-ops
+    assert not torch.equal(on_tpu[0]["fc.weight"], first.weight.detach())
+    assert torch.equal(on_tpu[0]["fc_never.weight"], on_gloo[0]["fc_never.weight"])

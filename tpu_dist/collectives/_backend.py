@@ -13,8 +13,10 @@ Every op is one pipeline, each stage with one owner:
 So each op method is a line: its plan function, then :meth:`ProcessGroupTPU._run`.
 
 Method names and signatures are the ones torch 2.13's Python process-group
-trampoline dispatches to (``allreduce``, ``all_gather_single``, ...); users
-never call them directly but go through ``torch.distributed``.
+trampoline dispatches to (``allreduce``, ``all_gather_single``, ...). Code that calls the
+group object directly (DDP's ``join()``, comm hooks) may use the shorter forms of c10d's
+``ProcessGroup`` (``pg.allreduce(t)``, ``pg.broadcast(t, 0)``): :mod:`._call_forms` turns them
+into these.
 
 Point-to-point ops are queued, not dispatched at once: an XLA program needs
 both ends, so a send and its recv must run the same program in the same order
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _checks, _lowering, _plan, _runtime, _watchdog, flight_recorder
+from tpu_dist.collectives._call_forms import accept_call_forms
 from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._lowering import ProgramKey
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
@@ -283,6 +286,7 @@ def _track(
     work.on_done(on_done)
 
 
+@accept_call_forms  # outermost: short forms become (..., opts) before routing
 @route_other_devices
 class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     """The "tpu" process group: c10d collectives as XLA collective programs.
