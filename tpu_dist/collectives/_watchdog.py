@@ -41,6 +41,10 @@ ends any process whose coordination service went away.
 
 Every key lives under the launch attempt's prefix (``_runtime.store_prefix``),
 so a restarted job never reads an earlier attempt's notes.
+
+The process's one :class:`Watchdog` belongs to the runtime (``_runtime.get().watchdog``,
+started with the default group); :func:`track` is the *track* stage of every call (flight
+recorder, then the watchdog), which the process groups run before dispatch.
 """
 
 from __future__ import annotations
