@@ -287,7 +287,7 @@ def test_steady_loop_compiles_nothing_after_first_step(world: World) -> None:
 def _both_dispatch_paths(rank: int, world_size: int) -> list[str]:
     """The same calls through the executable's own ``execute`` and through the public
     ``Compiled.__call__`` on global arrays (the fallback when jaxlib's private call is gone)."""
-    from tpu_dist.collectives import _lowering
+    from tpu_dist.collectives import _lowering, _runtime
 
     def calls() -> list[torch.Tensor]:
         a = torch.arange(6, dtype=torch.float64) * (rank + 1) + 2**40   # exact beyond 32 bits
@@ -300,15 +300,16 @@ def _both_dispatch_paths(rank: int, world_size: int) -> list[str]:
 
     direct = calls()
     problems = []
-    if not all(p.execute is not None for p in _lowering._programs.values()):
+    programs = _runtime.get().programs.by_key
+    if not all(p.execute is not None for p in programs.values()):
         problems.append("a program has no direct execute")
-    saved = dict(_lowering._programs)
+    saved = dict(programs)
     for key, found in saved.items():
-        _lowering._programs[key] = _lowering._Program(found.compiled, None)
+        programs[key] = _lowering.Program(found.compiled, None)
     try:
         public = calls()
     finally:
-        _lowering._programs.update(saved)
+        programs.update(saved)
     total = sum(range(1, world_size + 1))
     want = [
         torch.arange(6, dtype=torch.float64) * total + world_size * 2**40,

@@ -97,7 +97,7 @@ _WORLD = textwrap.dedent(
     import json, logging, os, sys
     import torch, torch.distributed as dist
     import tpu_dist
-    from tpu_dist.collectives import _lowering, compile_count
+    from tpu_dist.collectives import _runtime, compile_count
 
     warnings = []
 
@@ -112,7 +112,7 @@ _WORLD = textwrap.dedent(
     y = torch.arange(7, dtype=torch.int32)
     dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.5))  # a kernel: x * 2.5
     dist.all_reduce(y, op=dist.ReduceOp.MAX)
-    texts = sorted(p.compiled.as_text() for p in _lowering._programs.values())
+    texts = sorted(p.compiled.as_text() for p in _runtime.get().programs.by_key.values())
     out = {
         "x": x.tolist(), "y": y.tolist(), "compiled": compile_count(), "warnings": warnings,
         "programs": len(texts), "texts": texts,

@@ -36,19 +36,20 @@ _SCRIPT = textwrap.dedent(
     private_in = _jaxlib.dlpack_import(t, device)
     private_out = _jaxlib.dlpack_export(private_in)
     key = ProgramKey("allreduce", (device.id,), ((6, "float32"),), ("SUM",), "xla")
-    private_run = _lowering.run(key, [device], [private_in])
-    out["private_execute"] = _lowering.program(key, [device]).execute is not None
+    programs = _lowering.ProgramCache()
+    private_run = programs.run(key, [device], [private_in])
+    out["private_execute"] = programs.program(key, [device]).execute is not None
     out["before"] = list(warnings)
 
     _jaxlib._dlpack_import = broken
     _jaxlib._dlpack_export = broken
     _jaxlib._collect_garbage = None
-    found = _lowering.program(key, [device])
-    _lowering._programs[key] = _lowering._Program(found.compiled, broken)
+    found = programs.program(key, [device])
+    programs.by_key[key] = _lowering.Program(found.compiled, broken)
     for _ in range(2):  # the second time logs nothing new
         public_in = _jaxlib.dlpack_import(t, device)
         public_out = _jaxlib.dlpack_export(public_in)
-        public_run = _lowering.run(key, [device], [public_in])
+        public_run = programs.run(key, [device], [public_in])
         _jaxlib.collect_garbage()
     out["same"] = [
         torch.equal(private_out, public_out),

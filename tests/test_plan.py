@@ -191,6 +191,29 @@ def test_barrier_and_p2p_keys() -> None:
     assert _plan.p2p(CPU2, "send", [torch.ones(0)], 1, 0).key is None
 
 
+def test_receive_from_any_source_is_a_plain_receive_once_the_source_is_known() -> None:
+    # CPU4, group rank 1 (devices 0..3, global ranks = group ranks): any of 0, 2, 3 may send.
+    out = torch.zeros(3)
+    plan = _plan.recv_any_source(CPU4, [out], 5)
+    assert (plan.peers, plan.tag, plan.description) == ((0, 2, 3), 5, "recv (any source, tag 5)")
+    from_3 = plan.from_source(3)
+    direct = _plan.p2p(CPU4, "recv", [out], 3, 5)
+    assert (from_3.key, from_3.pair, from_3.peer_group_rank, from_3.description) == (
+        direct.key, direct.pair, 3, direct.description
+    )
+    assert from_3.key == ProgramKey("permute", (1, 3), ((3, "int32"),), ((1, 0),), "xla")
+    from_3.finish([torch.tensor([1.0, 2.0, 3.0]).view(torch.int32)])
+    assert out.tolist() == [1.0, 2.0, 3.0]
+    # In a group of two the sender can only be the other rank; on CPU2 (global ranks 4, 6) the
+    # received-from count is kept by group rank.
+    two = _plan.recv_any_source(CPU2, [torch.zeros(2)], 0)
+    assert two.peers == (1,) and two.from_source(1).peer_group_rank == 1
+    with pytest.raises(ValueError, match="itself"):
+        plan.from_source(1)
+    with pytest.raises(ValueError, match="one tensor per call"):
+        _plan.recv_any_source(CPU4, [torch.zeros(2), torch.zeros(2)], 0)
+
+
 # -- algorithms --------------------------------------------------------------------------------
 
 

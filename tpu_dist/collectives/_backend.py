@@ -5,12 +5,15 @@ Every op is one pipeline, each stage with one owner:
 * **plan** (:mod:`._plan`, pure): check the arguments (raise before anything is sent), flatten
   the tensors into blocks, choose the program (kind and algorithm, the
   :class:`~._lowering.ProgramKey`) and the finish step;
-* **track** (:func:`_track`): flight recorder and watchdog, always before dispatch;
-* **dispatch** (:class:`_Dispatcher`): the cached XLA program (:mod:`._lowering`) started in
-  the order every rank agrees on;
+* **track** (:func:`~._watchdog.track`): flight recorder and watchdog, always before dispatch;
+* **dispatch** (:class:`~._dispatch.Dispatcher`): the cached XLA program (:mod:`._lowering`)
+  started in the order every rank agrees on;
 * **complete** (:class:`~._work.TPUWork`): the finish step copies the results into the outputs.
 
-So each op method is a line: its plan function, then :meth:`ProcessGroupTPU._run`.
+So each op method is a line: its plan function, then :meth:`ProcessGroupTPU._run`. A group
+keeps its own state (rank, devices, sequence number, unfinished works); what is per process
+(JAX, programs, dispatcher, p2p queue, watchdog) is the runtime's (``self._rt``, see
+:mod:`._runtime`).
 
 Method names and signatures are the ones torch 2.13's Python process-group
 trampoline dispatches to (``allreduce``, ``all_gather_single``, ...). Code that calls the
@@ -24,266 +27,38 @@ on both ranks. Queued ops are dispatched when any of them is waited on or the
 next collective is issued, sorted by (rank pair, direction, tag). That makes
 ``batch_isend_irecv`` and ``isend``/``irecv`` exchanges deadlock-free in any
 issue order, like gloo; a blocking ``send`` must be matched by a ``recv`` on
-the peer at the same point of its sequence, like NCCL. Each queued op is
-tracked (flight recorder, watchdog) just before it is dispatched, as every
-collective is, and an op whose program cannot start fails its own work: a
-collective that happened to flush the queue never raises a p2p op's error.
+the peer at the same point of its sequence, like NCCL (:class:`~._dispatch.P2PQueue`).
+Each queued op is tracked (flight recorder, watchdog) just before it is
+dispatched, as every collective is, and an op whose program cannot start fails
+its own work: a collective that happened to flush the queue never raises a p2p
+op's error.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import os
-import queue
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _checks, _lowering, _plan, _runtime, _watchdog, flight_recorder
+from tpu_dist.collectives import _plan, _runtime, _watchdog
 from tpu_dist.collectives._call_forms import accept_call_forms
 from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
-from tpu_dist.collectives._lowering import ProgramKey
+from tpu_dist.collectives._dispatch import P2POp, Ticket
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
-
-@dataclass
-class _P2POp:
-    work: TPUWork
-    group: ProcessGroupTPU
-    plan: _plan.P2PPlan
-    seq: int = 0
-    """Its number among the ops between its two ranks, set when it is dispatched."""
-
-
-@dataclass
-class _P2PQueue:
-    """Point-to-point ops of this process that wait to be dispatched (module doc)."""
-
-    pending: list[_P2POp] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, op: _P2POp) -> None:
-        with self.lock:
-            self.pending.append(op)
-
-    def flush(self, block: bool = True) -> None:
-        """Dispatch every queued op, in the order every rank agrees on (module doc).
-
-        Never raises: an op whose program cannot be started fails its own work. With
-        ``block=False`` every program starts on the dispatcher thread (a ``wait(timeout)``).
-        """
-        if not self.pending:  # every collective calls this; most find nothing queued
-            return
-        with self.lock:
-            ops, self.pending = self.pending, []
-        if not ops:
-            return
-        me = _runtime.info().rank
-
-        def order(op: _P2POp) -> tuple[int, int, int, int]:
-            peer = op.plan.peer
-            src, dst = (me, peer) if op.plan.op == "send" else (peer, me)
-            return (min(src, dst), max(src, dst), 0 if src < dst else 1, op.plan.tag)
-
-        for op in sorted(ops, key=order):
-            op.group._dispatch_p2p(op, block)
-
-
-_p2p_queue = _P2PQueue()
-
 
 def _sent_key(src: int, dst: int, tag: int) -> str:
     """The store counter of sends from group rank ``src`` to ``dst`` with ``tag``."""
     return f"tpu_dist/p2p_sent/{src}/{dst}/{tag}"
-_p2p_seq: dict[str, int] = {}
+
+
 _CALL_BYTES = 256
-
-
-Ticket = tuple[int, int, int]
-"""Where a call stands among the calls on its device set: (index of its group among the groups
-over that set, the group's sequence number, 0 for a DETAIL check and 1 for the call itself)."""
-
-
-@dataclass
-class _Job:
-    """One program for the dispatcher to start."""
-
-    future: concurrent.futures.Future
-    key: ProgramKey
-    devices: Sequence
-    arrays: list
-    ticket: Ticket | None = None
-    """Set for a call on a device set that several groups share (:class:`_Dispatcher`)."""
-
-
-class _Dispatcher:
-    """Starts XLA programs on one helper thread, in call order.
-
-    XLA:CPU runs small programs inline, inside dispatch, and the first call of a program sets
-    up communicators there: either blocks the caller until every peer has arrived. An
-    ``async_op=True`` call must return at once, so its program starts here; with
-    TPU_DIST_TIMEOUT_POLICY=raise every call starts here, so that the caller waits where the
-    watchdog's error reaches it. Programs must start in the same order on every rank, so while
-    this thread has programs to start, every other one of the process starts here too
-    (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread hop.
-
-    Groups over the same devices. XLA keys its communicators by the set of devices a program
-    runs on (``gloo/<device ids>`` on CPU, one gloo context per set, every message tagged 0),
-    so two groups over the same ranks share one communicator, where torch's gloo gives each
-    group its own. Calls of two such groups issued from two threads reach XLA in a different
-    order on different ranks, and then one rank's all_reduce of group A meets the other's of
-    group B: wrong numbers when the sizes agree, gloo's abort when they do not. So every call
-    on a device set that two or more groups share starts here, and the ranks agree on the
-    order first: each rank offers its oldest waiting call's :data:`Ticket` in a small
-    all-gather over the set (one extra program per call, only on shared sets), all take the
-    smallest ticket offered, and each starts that call as soon as it has been issued locally.
-    One call starts per round, so every rank starts the same calls in the same order.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._queued = 0
-        # Per shared device set (sorted device ids): its waiting calls by ticket, in arrival
-        # order, and the ticket all ranks agreed on that has not been issued here yet.
-        self._waiting: dict[tuple[int, ...], dict[Ticket, _Job]] = {}
-        self._awaited: dict[tuple[int, ...], Ticket] = {}
-
-    def submit(
-        self, key: ProgramKey, devices, arrays, ticket: Ticket | None = None
-    ) -> concurrent.futures.Future:
-        """Start ``key``'s program after every earlier one; the future holds its result blocks.
-
-        With a ``ticket``, the program starts in the order the ranks agree on (class doc).
-        """
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            if self._thread is None:
-                # A daemon thread: one stuck in a collective whose peer is gone must not keep
-                # the process from exiting (a ThreadPoolExecutor's worker would).
-                self._thread = threading.Thread(
-                    target=self._loop, name="tpu_dist-dispatch", daemon=True
-                )
-                self._thread.start()
-            self._queued += 1
-        self._queue.put(_Job(future, key, devices, list(arrays), ticket))
-        return future
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job.ticket is None:
-                self._start(job)
-            else:
-                self._order(job)
-
-    def _start(self, job: _Job) -> None:
-        try:
-            outs = _lowering.run(job.key, job.devices, job.arrays)
-        except BaseException as err:  # handed to whoever waits on the future
-            self._one_started()
-            job.future.set_exception(err)
-        else:
-            self._one_started()
-            job.future.set_result(outs)
-
-    def _order(self, job: _Job) -> None:
-        """Start the calls of ``job``'s device set in the order every rank agrees on."""
-        ids = tuple(sorted(d.id for d in job.devices))
-        waiting = self._waiting.setdefault(ids, {})
-        waiting[job.ticket] = job
-        while waiting:
-            awaited = self._awaited.get(ids)
-            if awaited is not None:
-                if awaited not in waiting:
-                    return  # the agreed call has not been issued here yet
-                del self._awaited[ids]
-                self._start(waiting.pop(awaited))
-                continue
-            offer = next(iter(waiting))
-            try:
-                agreed = min(self._agree(ids, offer))
-            except BaseException as err:  # the set is broken: every call on it fails
-                for failed in waiting.values():
-                    self._one_started()
-                    failed.future.set_exception(err)
-                waiting.clear()
-                return
-            if agreed in waiting:
-                self._start(waiting.pop(agreed))
-            else:
-                self._awaited[ids] = agreed
-
-    @staticmethod
-    def _agree(ids: tuple[int, ...], offer: Ticket) -> list[Ticket]:
-        """All-gather every rank's offered ticket over the device set ``ids``."""
-        by_id = {d.id: d for d in _runtime.global_devices()}
-        devices = [by_id[i] for i in ids]
-        key = _plan.program_key("allgather", ids, ((len(offer), "int32"),), (), devices[0].platform)
-        mine = _runtime.to_jax(torch.tensor(offer, dtype=torch.int32))
-        (gathered,) = _lowering.run(key, devices, [mine])
-        gathered.block_until_ready()
-        rows = _runtime.to_torch(gathered).view(len(ids), len(offer)).tolist()
-        return [tuple(row) for row in rows]
-
-    def _one_started(self) -> None:
-        with self._lock:
-            self._queued -= 1
-
-    def run_in_order(self, key: ProgramKey, devices, arrays) -> list:
-        """Start ``key``'s program now, inline, unless earlier ones are still queued here."""
-        if self._queued == 0:
-            return _lowering.run(key, devices, arrays)
-        return self.submit(key, devices, arrays).result()
-
-
-_dispatcher = _Dispatcher()
-
-#: Sorted device ids -> how many live "tpu" groups of this process are over that set, and how
-#: many were ever created over it (a new group's index, never reused). The same on every
-#: member rank, since groups are created (and destroyed) by every member in the same order.
-_groups_per_device_set: dict[tuple[int, ...], int] = {}
-_created_per_device_set: dict[tuple[int, ...], int] = {}
-
-
-def _track(
-    work: TPUWork,
-    group: str,
-    group_ranks: Sequence[int],
-    seq: int,
-    op: str,
-    meta: tuple,
-    params: tuple,
-    timeout: timedelta,
-) -> None:
-    """Record ``work`` in the flight recorder and put it under the watchdog.
-
-    Raises:
-        torch.distributed.DistBackendError: the group failed earlier (raise policy).
-    """
-    watchdog = _watchdog.get()
-    if watchdog is not None:
-        watchdog.check_usable(group, op)
-    entry = flight_recorder.recorder().record(group, group_ranks, seq, op, meta, params)
-    if watchdog is not None:
-        watchdog.issued(group, seq)
-        watchdog.watch(_watchdog.InFlight(
-            work, group, list(group_ranks), seq, op, time.monotonic(), timeout.total_seconds()
-        ))
-
-    def on_done(error: BaseException | None) -> None:
-        flight_recorder.FlightRecorder.finish(entry, error)
-        if watchdog is not None:
-            watchdog.done(work)
-
-    work.on_done(on_done)
 
 
 @accept_call_forms  # outermost: short forms become (..., opts) before routing
@@ -308,6 +83,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     ) -> None:
         """``devices``: the JAX device of each group rank; default: the running runtime's."""
         super().__init__(rank, size)
+        self._rt = _runtime.get()
         self._store = store
         self._delegates = {}  # device type -> the backend for its tensors (see _delegate)
         # Receives from any source (recv without src): how many sends from each (group rank,
@@ -315,17 +91,13 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._received: dict[tuple[int, int], int] = {}
         self._global_ranks = list(global_ranks)
         if devices is None:
-            every = _runtime.global_devices()
+            every = self._rt.global_devices()
             devices = [every[r] for r in self._global_ranks]
         self._devices = list(devices)
         self._device_ids = tuple(d.id for d in self._devices)
         self._device_set = tuple(sorted(self._device_ids))
-        # This group's index among the groups over its device set (see _Dispatcher).
-        self._index_in_set = _created_per_device_set.get(self._device_set, 0)
-        _created_per_device_set[self._device_set] = self._index_in_set + 1
-        _groups_per_device_set[self._device_set] = (
-            _groups_per_device_set.get(self._device_set, 0) + 1
-        )
+        # This group's index among the groups over its device set (see _dispatch.Dispatcher).
+        self._index_in_set = self._rt.device_sets.add(self._device_set)
         self._view = _plan.GroupView(
             rank, size, self._device_ids, self._devices[0].platform, tuple(self._global_ranks)
         )
@@ -340,7 +112,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             dist.get_debug_level() == dist.DebugLevel.DETAIL
             or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
         )
-        watchdog = _watchdog.get()  # it read the policy when it started
+        watchdog = self._rt.watchdog  # it read the policy when it started
         policy = watchdog.policy if watchdog is not None else _watchdog.policy_from_env()
         self._poll = policy == "raise"
         # Works of this group not completed yet, in issue order (see _complete_before).
@@ -358,9 +130,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._group_name = name
         self._view = dataclasses.replace(self._view, name=name)
-        watchdog = _watchdog.get()
-        if watchdog is not None:
-            watchdog.group_created(name)
+        if self._rt.watchdog is not None:
+            self._rt.watchdog.group_created(name)
 
     def getGroupName(self) -> str:  # noqa: N802
         return self._group_name
@@ -389,7 +160,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         """Called by ``destroy_process_group``: the group no longer shares its devices."""
         if self._live:
             self._live = False
-            _groups_per_device_set[self._device_set] -= 1
+            self._rt.device_sets.remove(self._device_set)
         super().shutdown()
 
     # -- the common path: track, dispatch, complete ------------------------------------------
@@ -410,12 +181,13 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
 
         With ``async_op`` the program starts on the dispatcher thread and this returns at once.
         """
-        _p2p_queue.flush()
+        rt = self._rt
+        rt.p2p.flush()
         description = plan.op
         if plan.key is None:  # nothing to move
             return TPUWork.completed(description, plan.finish([]))
         key = plan.key
-        arrays = [_runtime.to_jax(b) for b in plan.blocks]
+        arrays = [rt.to_jax(b) for b in plan.blocks]
         if self._check_calls:
             self._check_same_call(description, key.params, key.blocks)
         self._seq += 1
@@ -423,7 +195,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
 
         def explain(err: BaseException) -> dist.DistBackendError:
             return _watchdog.explain_failure(
-                err, description, self._group_name, seq, self._global_ranks, _runtime.info().rank
+                rt.watchdog, err, description, self._group_name, seq, self._global_ranks,
+                rt.info.rank,
             )
 
         work = TPUWork(
@@ -435,26 +208,28 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._remember(work)
         # Watched from before dispatch: the first call of a program sets up XLA's
         # communicators inside dispatch and blocks there until every peer arrives.
-        _track(work, self._group_name, self._global_ranks, seq, description, key.blocks,
-               key.params, self._timeout)
+        _watchdog.track(rt.watchdog, work, self._group_name, self._global_ranks, seq,
+                        description, key.blocks, key.params, self._timeout)
         finish = plan.finish
+        to_torch = rt.to_torch
 
         def complete(outs: list) -> list[torch.Tensor]:
-            return finish([_runtime.to_torch(o) for o in outs])
+            return finish([to_torch(o) for o in outs])
 
         ticket = self._ticket(seq, 1)
+        dispatcher = rt.dispatcher
         if async_op:
-            work.start_later(_dispatcher.submit(key, self._devices, arrays, ticket), complete)
+            work.start_later(dispatcher.submit(key, self._devices, arrays, ticket), complete)
             return work
         try:
             if self._poll:
                 outs = wait_interruptibly(
-                    work, _dispatcher.submit(key, self._devices, arrays, ticket)
+                    work, dispatcher.submit(key, self._devices, arrays, ticket)
                 )
             elif ticket is not None:
-                outs = _dispatcher.submit(key, self._devices, arrays, ticket).result()
+                outs = dispatcher.submit(key, self._devices, arrays, ticket).result()
             else:
-                outs = _dispatcher.run_in_order(key, self._devices, arrays)
+                outs = dispatcher.run_in_order(key, self._devices, arrays)
         except dist.DistBackendError as err:
             work.fail(err)
             raise
@@ -491,9 +266,9 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         """The ticket of this group's call ``seq`` if other groups share its devices, else None.
 
         Calls on a device set no other group uses need no agreement: one group's calls are
-        issued in the same order on every rank (see _Dispatcher).
+        issued in the same order on every rank (see _dispatch.Dispatcher).
         """
-        if len(self._device_set) < 2 or _groups_per_device_set[self._device_set] < 2:
+        if not self._rt.device_sets.shared(self._device_set):
             return None
         return (self._index_in_set, seq, part)
 
@@ -514,12 +289,13 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             "allgather", self._device_ids, ((_CALL_BYTES, "uint8"),), (), self._view.platform
         )
         ticket = self._ticket(self._seq + 1, 0)
-        arrays = [_runtime.to_jax(mine)]
+        arrays = [self._rt.to_jax(mine)]
+        dispatcher = self._rt.dispatcher
         if ticket is None:
-            (gathered,) = _dispatcher.run_in_order(key, self._devices, arrays)
+            (gathered,) = dispatcher.run_in_order(key, self._devices, arrays)
         else:
-            (gathered,) = _dispatcher.submit(key, self._devices, arrays, ticket).result()
-        rows = _runtime.to_torch(gathered).view(self.size(), _CALL_BYTES)
+            (gathered,) = dispatcher.submit(key, self._devices, arrays, ticket).result()
+        rows = self._rt.to_torch(gathered).view(self.size(), _CALL_BYTES)
         calls = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
         if len(set(calls)) > 1:
             detail = "; ".join(
@@ -661,9 +437,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         return work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TPUWork:
-        work = self._queue_p2p(_plan.p2p(self._view, "recv", tensors, src, tag))
-        self._received[(src, tag)] = self._received.get((src, tag), 0) + 1
-        return work
+        return self._receive(_plan.p2p(self._view, "recv", tensors, src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TPUWork:
         """``recv`` without ``src``: receive the next send to this rank with ``tag``.
@@ -672,42 +446,46 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         first: every send of a group of more than two ranks adds one to a counter per
         (source, destination, tag) in the group's store, and this rank takes a source
         whose counter is ahead of what it has received from it (in a group of two the
-        source is the other rank). Then it is an ordinary ``recv`` from that source.
-        ``work._source_rank()`` (and so ``dist.recv``) gives the sender's group rank.
+        source is the other rank). Then it is an ordinary receive from that source
+        (:meth:`_receive`). ``work._source_rank()`` (and so ``dist.recv``) gives the
+        sender's group rank.
         """
-        op = "recv"
-        tensor = _checks.check_single(op, tensors)
-        _checks.check_output(op, tensor, "tensor")
+        plan = _plan.recv_any_source(self._view, tensors, tag)
         received = []
 
         def receive(block: bool) -> None:
             if received:
                 return
-            src = self._wait_for_sender(int(tag))
-            inner = self.recv([tensor], src, tag)
-            inner.wait()
+            src = self._wait_for_sender(plan)
+            self._receive(plan.from_source(src)).wait()
             received.append(src)
             work.received_from(src)
-            work.start((), lambda outs: [tensor])
+            work.start((), lambda outs: [plan.tensor])
 
-        work = TPUWork(f"recv (any source, tag {tag})", before_wait=receive)
+        work = TPUWork(plan.description, before_wait=receive)
         return work
 
-    def _wait_for_sender(self, tag: int) -> int:
-        """A group rank with a send to this rank (``tag``) that was not received yet."""
-        me = self.rank()
-        peers = [r for r in range(self.size()) if r != me]
-        if len(peers) == 1:
-            return peers[0]
+    def _receive(self, plan: _plan.P2PPlan) -> TPUWork:
+        """Queue a planned receive, counted as received from its source (recv_anysource)."""
+        work = self._queue_p2p(plan)
+        source = (plan.peer_group_rank, plan.tag)
+        self._received[source] = self._received.get(source, 0) + 1
+        return work
+
+    def _wait_for_sender(self, plan: _plan.AnySourcePlan) -> int:
+        """A group rank with a send to this rank (``plan.tag``) that was not received yet."""
+        if len(plan.peers) == 1:
+            return plan.peers[0]
         if self._store is None:
             raise RuntimeError(
                 "recv: receiving from any source needs the group's store; this group was "
                 "created without one."
             )
+        me, tag = self.rank(), plan.tag
         deadline = time.monotonic() + self._timeout.total_seconds()
         delay = 1e-3
         while True:
-            for src in peers:
+            for src in plan.peers:
                 sent = self._store.add(_sent_key(src, me, tag), 0)
                 if sent > self._received.get((src, tag), 0):
                     return src
@@ -726,20 +504,20 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             plan.description,
             poll=self._poll,
             explain=lambda err: self._explain_p2p(err, p2p_op),
-            before_wait=_p2p_queue.flush,
+            before_wait=self._rt.p2p.flush,
         )
-        p2p_op = _P2POp(work, self, plan)
-        _p2p_queue.add(p2p_op)
+        p2p_op = P2POp(work, plan, self._dispatch_p2p)
+        self._rt.p2p.add(p2p_op)
         return work
 
-    def _explain_p2p(self, err: BaseException, op: _P2POp) -> dist.DistBackendError:
+    def _explain_p2p(self, err: BaseException, op: P2POp) -> dist.DistBackendError:
         low, high = op.plan.pair
         return _watchdog.explain_failure(
-            err, op.work.description, f"p2p:{low}-{high}", op.seq, [low, high],
-            _runtime.info().rank,
+            self._rt.watchdog, err, op.work.description, f"p2p:{low}-{high}", op.seq,
+            [low, high], self._rt.info.rank,
         )
 
-    def _dispatch_p2p(self, op: _P2POp, block: bool) -> None:
+    def _dispatch_p2p(self, op: P2POp, block: bool) -> None:
         """Track, then start one queued point-to-point op as a two-device permute program.
 
         Tracked before it is dispatched, as every collective is: the first call of a program
@@ -751,22 +529,22 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         if plan.key is None:
             op.work.start((), plan.finish)
             return
-        low, high = plan.pair
-        pair = f"p2p:{low}-{high}"
-        op.seq = _p2p_seq[pair] = _p2p_seq.get(pair, 0) + 1
+        rt = self._rt
+        op.seq = rt.p2p.next_seq(plan.pair)
 
         def complete(outs: list) -> list[torch.Tensor]:
-            return plan.finish([_runtime.to_torch(o) for o in outs])
+            return plan.finish([rt.to_torch(o) for o in outs])
 
         try:
-            _track(op.work, pair, [low, high], op.seq, plan.op, plan.key.blocks,
-                   (f"tag={plan.tag}",), self._timeout)
-            array = _runtime.to_jax(plan.block)
+            low, high = plan.pair
+            _watchdog.track(rt.watchdog, op.work, f"p2p:{low}-{high}", [low, high], op.seq,
+                            plan.op, plan.key.blocks, (f"tag={plan.tag}",), self._timeout)
+            array = rt.to_jax(plan.block)
             devices = [self._devices[r] for r in plan.pair_group_ranks]
             if block and not self._poll:
-                op.work.start(_dispatcher.run_in_order(plan.key, devices, [array]), complete)
+                op.work.start(rt.dispatcher.run_in_order(plan.key, devices, [array]), complete)
             else:
-                op.work.start_later(_dispatcher.submit(plan.key, devices, [array]), complete)
+                op.work.start_later(rt.dispatcher.submit(plan.key, devices, [array]), complete)
         except dist.DistBackendError as err:
             op.work.fail(err)
         except Exception as err:

@@ -11,10 +11,12 @@ touches its own block. Example, all_reduce of 3 floats on 2 ranks::
     global output (6,) = [s0 s1 s2 | s0 s1 s2]      s = a + b, each rank reads its block
 
 Programs are compiled once per :class:`ProgramKey` (op, reduce op, group
-devices, block sizes, dtypes) and kept, in memory and on disk for later processes
-(:mod:`tpu_dist.collectives._compile_cache`); :func:`compile_count` tells how many
-programs this process has built, so tests can check that a steady loop builds
-nothing new.
+devices, block sizes, dtypes) and kept, in memory by the process's
+:class:`ProgramCache` (the runtime's, ``_runtime.get().programs``) and on disk for
+later processes (:mod:`tpu_dist.collectives._compile_cache`); :func:`compile_count`
+tells how many programs this process has built, so tests can check that a steady
+loop builds nothing new. The functions that build program bodies and lower them
+are pure: this module keeps no state of its own.
 
 The algorithm is part of the key (:attr:`ProgramKey.algorithm`), chosen when the call is
 planned (:func:`tpu_dist.collectives._plan.choose_algorithm`: on the CPU platform,
@@ -72,7 +74,7 @@ class ProgramKey:
 
 
 @dataclass(frozen=True)
-class _Program:
+class Program:
     """A compiled program and the fastest way this process has to start it."""
 
     compiled: jax.stages.Compiled
@@ -82,91 +84,122 @@ class _Program:
     otherwise, or when jaxlib does not offer it."""
 
 
-_lock = threading.Lock()
-_programs: dict[ProgramKey, _Program] = {}
-_meshes: dict[tuple[jax.Device, ...], tuple[Mesh, NamedSharding]] = {}
-_compilations = 0
+def mesh_of(devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
+    """The one-axis mesh over ``devices`` and the 1-D sharding along it (not cached)."""
+    mesh = Mesh(np.array(list(devices), dtype=object), (AXIS,))
+    return mesh, NamedSharding(mesh, P(AXIS))
+
+
+class ProgramCache:
+    """The compiled programs of one process, by key; owned by the runtime
+    (``_runtime.get().programs``), or made on its own by a test.
+
+    Programs are built on first use (loaded from the on-disk compile cache, or compiled) and
+    kept for the life of the process; :attr:`compilations` counts them.
+    """
+
+    def __init__(self) -> None:
+        self.by_key: dict[ProgramKey, Program] = {}
+        """Every program built so far. Tests may replace an entry (a program without its
+        direct ``execute``, to take the public path)."""
+        self.compilations = 0
+        """How many programs were built: compiled, or loaded from the on-disk cache."""
+        self.platform: str | None = None
+        """The running runtime's platform, set when JAX starts: only programs for its devices
+        go to the on-disk cache (not those of compile-only devices)."""
+        self._meshes: dict[tuple[jax.Device, ...], tuple[Mesh, NamedSharding]] = {}
+        self._lock = threading.Lock()
+        self._skip_reasons: set[str] = set()
+
+    def mesh_for(self, devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
+        """:func:`mesh_of` ``devices``, cached by the device objects, not their ids:
+        compile-only TPU devices (:mod:`tpu_dist.collectives.compile_only`) reuse the ids of
+        the process's own devices."""
+        ids = tuple(devices)
+        found = self._meshes.get(ids)
+        if found is None:
+            found = self._meshes[ids] = mesh_of(devices)
+        return found
+
+    def program(self, key: ProgramKey, devices: Sequence[jax.Device]) -> Program:
+        """The compiled program for ``key`` over ``devices``, built on first use."""
+        found = self.by_key.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self.by_key.get(key)
+            if found is None:
+                compiled = self._load_or_compile(key, devices)
+                found = Program(compiled, _jaxlib.loaded_execute(compiled))
+                self.by_key[key] = found
+        return found
+
+    def run(
+        self, key: ProgramKey, devices: Sequence[jax.Device], local_blocks: Sequence[jax.Array]
+    ) -> list[jax.Array]:
+        """Dispatch ``key``'s program on this rank's blocks; returns this rank's result blocks.
+
+        Asynchronous: the returned arrays are futures of JAX's dispatch; the data has moved
+        once they are ready.
+
+        The loaded executable's own ``execute`` takes and returns the local single-device
+        blocks. ``Compiled.__call__`` wants global arrays instead: building one from this
+        rank's block (``make_array_from_single_device_arrays``) and taking the block back out
+        of each result (``addressable_data``) cost ~120 us of a ~450 us small all_reduce on CPU
+        (benchmarks/, E14). The executable is reached through JAX internals
+        (:func:`._jaxlib.loaded_execute`), so anything unexpected falls back to the public call.
+        """
+        found = self.program(key, devices)
+        if found.execute is not None:
+            # The executable runs on the blocks' own dtypes: no JAX dtype rules apply, so no
+            # x64 scope either (~1-2 us a call saved).
+            try:
+                return found.execute(list(local_blocks))
+            except TypeError as err:  # jaxlib changed the private call: the public one now
+                _jaxlib.execute_failed(err)
+                found = self.by_key[key] = Program(found.compiled, None)
+        with _runtime.x64_scope():
+            _, sharding = self.mesh_for(devices)
+            size = len(devices)
+            global_args = [
+                jax.make_array_from_single_device_arrays(
+                    (size * block.shape[0],), sharding, [block]
+                )
+                for block in local_blocks
+            ]
+            outs = found.compiled(*global_args)
+            return [out.addressable_data(0) for out in outs]
+
+    def _load_or_compile(
+        self, key: ProgramKey, devices: Sequence[jax.Device]
+    ) -> jax.stages.Compiled:
+        """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled
+        and, when XLA really compiled it here (not JAX's persistent cache), stored there."""
+        platform = devices[0].platform if devices else ""
+        cached = platform == self.platform
+        compiled = _compile_cache.load(key, devices, platform) if cached else None
+        if compiled is None:
+            lowered = lower(key, devices, self.mesh_for(devices))
+            with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
+                compiled = lowered.compile()
+            if cached and watch.compiled:
+                _compile_cache.store(key, devices, platform, compiled)
+            elif cached and watch.reason not in self._skip_reasons:
+                self._skip_reasons.add(watch.reason)
+                logger.info(
+                    "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU "
+                    "cannot serialize a loaded program whole, so only programs compiled here "
+                    "are stored.",
+                    key.kind, watch.reason,
+                )
+        self.compilations += 1
+        return compiled
 
 
 def compile_count() -> int:
     """How many collective programs this process has built: compiled, or loaded compiled from
     the on-disk compile cache (``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
-    return _compilations
-
-
-def mesh_for(devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
-    """The one-axis mesh over ``devices`` and the 1-D sharding along it (cached).
-
-    Cached by the device objects, not their ids: compile-only TPU devices
-    (:mod:`tpu_dist.collectives.compile_only`) reuse the ids of the process's own devices.
-    """
-    ids = tuple(devices)
-    found = _meshes.get(ids)
-    if found is None:
-        mesh = Mesh(np.array(list(devices), dtype=object), (AXIS,))
-        found = (mesh, NamedSharding(mesh, P(AXIS)))
-        _meshes[ids] = found
-    return found
-
-
-def program(key: ProgramKey, devices: Sequence[jax.Device]) -> _Program:
-    """The compiled program for ``key`` over ``devices``, compiling it on first use."""
-    found = _programs.get(key)
-    if found is not None:
-        return found
-    with _lock:
-        found = _programs.get(key)
-        if found is None:
-            compiled = _load_or_compile(key, devices)
-            found = _Program(compiled, _direct_execute(compiled))
-            _programs[key] = found
-    return found
-
-
-def _load_or_compile(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Compiled:
-    """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled and,
-    when XLA really compiled it here (not JAX's persistent cache), stored there. Only programs
-    of the running runtime are cached (not those of compile-only devices)."""
-    global _compilations
-    runtime = _runtime.info()
-    platform = devices[0].platform if devices else ""
-    cached = runtime is not None and platform == runtime.platform
-    compiled = _compile_cache.load(key, devices, platform) if cached else None
-    if compiled is not None:
-        _compilations += 1
-        return compiled
-    compiled, watch = _compile(key, devices)
-    if cached and watch.compiled:
-        _compile_cache.store(key, devices, platform, compiled)
-    elif cached:
-        _compile_cache_skipped(key, watch.reason)
-    return compiled
-
-
-def _compile_cache_skipped(key: ProgramKey, reason: str) -> None:
-    if reason not in _skip_reasons:
-        _skip_reasons.add(reason)
-        logger.info(
-            "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU cannot "
-            "serialize a loaded program whole, so only programs compiled here are stored.",
-            key.kind, reason,
-        )
-
-
-_skip_reasons: set[str] = set()
-
-
-def _direct_execute(compiled: jax.stages.Compiled) -> Callable | None:
-    """The loaded executable's ``execute``, if this process owns exactly one of its devices.
-
-    ``Compiled.__call__`` wants global arrays: building one from this rank's block
-    (``make_array_from_single_device_arrays``) and taking the block back out of each result
-    (``addressable_data``) cost ~120 us of a ~450 us small all_reduce on CPU (benchmarks/,
-    E14). The executable itself takes and returns the local single-device arrays. It is
-    reached through JAX internals (:func:`._jaxlib.loaded_execute`), so anything unexpected
-    falls back to the public call.
-    """
-    return _jaxlib.loaded_execute(compiled)
+    return _runtime.get().programs.compilations
 
 
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
@@ -186,20 +219,13 @@ def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
     return factory(len(devices), *key.params)
 
 
-def _compile(
-    key: ProgramKey, devices: Sequence[jax.Device]
-) -> tuple[jax.stages.Compiled, _compile_cache.CompileWatch]:
-    """``key``'s program compiled (or handed back by JAX's own caches: see the watch)."""
-    global _compilations
-    lowered = lower(key, devices)
-    with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
-        compiled = lowered.compile()
-    _compilations += 1
-    return compiled, watch
-
-
-def lower(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Lowered:
-    """``key``'s program over ``devices``, lowered (not compiled, not cached, not counted).
+def lower(
+    key: ProgramKey,
+    devices: Sequence[jax.Device],
+    mesh: tuple[Mesh, NamedSharding] | None = None,
+) -> jax.stages.Lowered:
+    """``key``'s program over ``devices``, lowered (not compiled, not cached, not counted);
+    ``mesh``: :func:`mesh_of` ``devices``, if the caller has it.
 
     Raises:
         TypeError: complex128 blocks on TPU: XLA:TPU has no complex128, and libtpu 0.0.52's
@@ -213,7 +239,7 @@ def lower(key: ProgramKey, devices: Sequence[jax.Device]) -> jax.stages.Lowered:
                 "no complex128); use complex64, or view the tensor as float64 pairs "
                 "(torch.view_as_real) for sums."
             )
-    mesh, sharding = mesh_for(devices)
+    mesh, sharding = mesh if mesh is not None else mesh_of(devices)
     size = len(devices)
     body = body_for(key, devices)
     n_args = len(key.blocks)
@@ -424,33 +450,3 @@ _ALGORITHMS: dict[str | None, dict[str, Callable]] = {
     "exchange": _DIRECT_BODIES,
     "gather_reduce": _GATHER_REDUCE_BODIES,
 }
-
-
-def run(
-    key: ProgramKey,
-    devices: Sequence[jax.Device],
-    local_blocks: Sequence[jax.Array],
-) -> list[jax.Array]:
-    """Dispatch ``key``'s program on this rank's blocks; returns this rank's result blocks.
-
-    Asynchronous: the returned arrays are futures of JAX's dispatch; the data
-    has moved once they are ready.
-    """
-    found = program(key, devices)
-    if found.execute is not None:
-        # The executable runs on the blocks' own dtypes: no JAX dtype rules apply, so no
-        # x64 scope either (~1-2 us a call saved).
-        try:
-            return found.execute(list(local_blocks))
-        except TypeError as err:  # jaxlib changed the private call: the public one from now on
-            _jaxlib.execute_failed(err)
-            found = _programs[key] = _Program(found.compiled, None)
-    with _runtime.x64_scope():
-        _, sharding = mesh_for(devices)
-        size = len(devices)
-        global_args = [
-            jax.make_array_from_single_device_arrays((size * block.shape[0],), sharding, [block])
-            for block in local_blocks
-        ]
-        outs = found.compiled(*global_args)
-        return [out.addressable_data(0) for out in outs]

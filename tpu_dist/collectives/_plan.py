@@ -131,6 +131,37 @@ class P2PPlan:
     pair_group_ranks: tuple[int, int]
     """Group ranks of ``pair``."""
 
+    @property
+    def peer_group_rank(self) -> int:
+        """Group rank of the other end."""
+        return self.pair_group_ranks[self.pair.index(self.peer)]
+
+
+@dataclass(frozen=True)
+class AnySourcePlan:
+    """A receive from any source (``recv`` without ``src``), before its sender is known.
+
+    An XLA program needs both ends when it is compiled, so the backend learns the sender
+    first (one of :attr:`peers`) and then runs :meth:`from_source`'s plan, an ordinary
+    receive from it.
+    """
+
+    group: GroupView
+    tensor: torch.Tensor
+    tag: int
+    description: str
+    """``recv (any source, tag 0)``."""
+    peers: tuple[int, ...]
+    """Group ranks that may be the sender: every rank but this one."""
+
+    def from_source(self, src: int) -> P2PPlan:
+        """The receive from group rank ``src``, once it is known to be the sender.
+
+        Raises:
+            ValueError: ``src`` is out of range or this rank.
+        """
+        return p2p(self.group, "recv", [self.tensor], src, self.tag)
+
 
 # -- algorithms ------------------------------------------------------------------------------
 
@@ -837,3 +868,13 @@ def p2p(
         op, f"{op} (peer {peer}, tag {tag})", key, block, finish, other, int(tag),
         (low, high), ranks,
     )
+
+
+def recv_any_source(
+    group: GroupView, tensors: Sequence[torch.Tensor], tag: int
+) -> AnySourcePlan:
+    """A ``recv`` of ``tensors[0]`` from whichever rank sends to this one with ``tag``."""
+    tensor = _checks.check_single("recv", tensors)
+    _checks.check_output("recv", tensor, "tensor")
+    peers = tuple(r for r in range(group.size) if r != group.rank)
+    return AnySourcePlan(group, tensor, int(tag), f"recv (any source, tag {tag})", peers)

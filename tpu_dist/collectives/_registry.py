@@ -44,7 +44,7 @@ def _create_process_group(
     JAX is imported here, not when tpu_dist is imported, so that importing
     tpu_dist (the launcher, tools) stays cheap.
     """
-    from tpu_dist.collectives import _runtime, _watchdog, compile_job, flight_recorder
+    from tpu_dist.collectives import _runtime, compile_job, flight_recorder
     from tpu_dist.collectives._backend import ProcessGroupTPU
 
     rank, size = dist_opts.group_rank, dist_opts.group_size
@@ -61,8 +61,9 @@ def _create_process_group(
     if not global_ranks:
         # The default group (torch passes no ranks for it): start JAX, or check
         # that the running JAX runtime has this world.
-        _runtime.start(dist_opts.store, rank, size, dist_opts.timeout)
-        _watchdog.start(dist_opts.store, rank, size, dist_opts.timeout)
+        runtime = _runtime.get()
+        runtime.start(dist_opts.store, rank, size, dist_opts.timeout)
+        runtime.start_watchdog(dist_opts.store, rank, size, dist_opts.timeout)
         flight_recorder.install_signal_handler(rank)
         global_ranks = list(range(size))
     elif _runtime.info() is None:

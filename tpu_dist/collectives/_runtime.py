@@ -1,9 +1,14 @@
-"""The JAX runtime behind the "tpu" backend: start, device map, tensor hand-off.
+"""The per-process runtime behind the "tpu" backend: JAX start, device map, tensor hand-off.
 
-One JAX runtime per process. It starts when the first "tpu" process group is
-created (the default group, since torch creates it first) and lives until the
-interpreter exits (``destroy_process_group`` leaves it running: JAX allows one
-distributed initialization per process).
+One :class:`Runtime` per process (:func:`get`) owns everything that lives longer
+than one call: the JAX runtime and its devices, the program cache
+(``_lowering.ProgramCache``), the dispatcher, the point-to-point queue and the
+group counts per device set (``_dispatch``), the completion thread
+(``_work.Completer``) and the watchdog (``_watchdog``). The modules of the
+package keep no per-process state of their own. JAX starts when the first
+"tpu" process group is created (the default group, since torch creates it
+first) and lives until the interpreter exits (``destroy_process_group`` leaves
+it running: JAX allows one distributed initialization per process).
 
 * Start. ``jax.distributed.initialize`` is called with one JAX process per
   torch rank. The coordinator address is exchanged through the group's c10d
@@ -48,6 +53,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +63,9 @@ import torch.distributed as dist
 
 from tpu_dist import _settings
 from tpu_dist.collectives import _jaxlib
+
+if TYPE_CHECKING:
+    from tpu_dist.collectives import _watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +97,6 @@ class RuntimeInfo:
     """``host:port`` of the JAX coordination service (on rank 0)."""
 
 
-_lock = threading.Lock()
-_info: RuntimeInfo | None = None
-_devices: list[jax.Device] | None = None
-
-
 def _leave_if_stuck() -> None:
     """At exit, after every handler registered later (the watchdog's), before JAX's teardown.
 
@@ -102,9 +106,7 @@ def _leave_if_stuck() -> None:
     noted (``tpu_dist.launch.EXIT_CODE_VAR``; 1 without it). Exit handlers registered before
     tpu_dist was imported do not run then.
     """
-    from tpu_dist.collectives import _watchdog
-
-    watchdog = _watchdog.get()
+    watchdog = _current.watchdog if _current is not None else None
     if watchdog is None or not watchdog.stuck():
         return
     try:
@@ -156,96 +158,227 @@ def _tpu_attached() -> bool:
         return False
 
 
+class Runtime:
+    """Everything tpu_dist keeps per process, in one object (:func:`get`).
+
+    It owns the stages of a collective's life that outlive one call: the JAX runtime
+    (:attr:`info`, :attr:`devices`, started by :meth:`start`), the compiled programs
+    (:attr:`programs`), the ordered dispatch of programs and the queue of point-to-point
+    ops (:attr:`dispatcher`, :attr:`p2p`, :attr:`device_sets`), the thread that completes
+    works whose future was asked for (:attr:`completer`) and the watchdog (:attr:`watchdog`,
+    started by :meth:`start_watchdog`). Process groups keep a reference (``self._rt``); no
+    module of the package keeps per-process state of its own.
+    """
+
+    def __init__(self) -> None:
+        # Imported here: they import this module (x64_scope, get) at their top.
+        from tpu_dist.collectives import _dispatch, _lowering, _work
+
+        self.lock = threading.Lock()
+        """Held while JAX starts."""
+        self.info: RuntimeInfo | None = None
+        """What JAX was started with; None before the first "tpu" group."""
+        self.devices: list[jax.Device] | None = None
+        """The JAX device owned by each global rank, indexed by rank (module doc)."""
+        self.programs = _lowering.ProgramCache()
+        self.dispatcher = _dispatch.Dispatcher(self)
+        self.p2p = _dispatch.P2PQueue()
+        self.device_sets = _dispatch.DeviceSets()
+        self.completer = _work.Completer()
+        self.watchdog: _watchdog.Watchdog | None = None
+        """Started with the default group (:meth:`start_watchdog`); None before, and in
+        compile-only mode."""
+        self._device: jax.Device | None = None
+        self._on_cpu = True
+
+    def start(
+        self, store: dist.Store, rank: int, world_size: int, timeout: timedelta
+    ) -> RuntimeInfo:
+        """Start JAX for this process once; later calls check and return the same info.
+
+        Every rank of the default group calls this while the default "tpu" group
+        is created.
+
+        Raises:
+            RuntimeError: JAX already runs with another world (a new
+                ``init_process_group`` after ``destroy_process_group`` with a
+                different world size or rank), or JAX was started by someone else
+                before the first "tpu" group.
+        """
+        with self.lock:
+            info = self.info
+            if info is not None:
+                if (info.world_size, info.rank) != (world_size, rank):
+                    raise RuntimeError(
+                        "tpu_dist's JAX runtime was started for "
+                        f"world_size={info.world_size}, rank={info.rank} and cannot be "
+                        f"restarted in the same process as world_size={world_size}, "
+                        f"rank={rank}: JAX allows one distributed initialization per "
+                        "process. Start a new process (tpu-launch restarts workers) to "
+                        "change the world."
+                    )
+                return info
+            platform = resolve_platform()
+            # Parsed now, so that a malformed TPU_DIST_COMPILE_CACHE fails init_process_group on
+            # every rank, not the first collective (the directory is made at the first program).
+            _settings.COMPILE_CACHE.get()
+            if platform == "cpu":
+                if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
+                    logger.warning(
+                        "tpu_dist: %s=cpu overrides JAX_PLATFORMS=%s for this process.",
+                        PLATFORM_ENV,
+                        os.environ["JAX_PLATFORMS"],
+                    )
+                jax.config.update("jax_platforms", "cpu")
+                jax.config.update("jax_num_cpu_devices", 1)
+            elif platform == "tpu":
+                jax.config.update("jax_platforms", "tpu")
+            else:
+                jax.config.update("jax_platforms", "cuda")
+            address = _exchange_coordinator_address(store, rank, timeout)
+            init_timeout = max(int(timeout.total_seconds()), 10)
+            sigterm = signal.getsignal(signal.SIGTERM)
+            # A process that exits is not an error for the others (no error propagation, no
+            # shutdown barrier); JAX's preemption notifier would swallow SIGTERM.
+            jax.config.update("jax_enable_recoverability", True)
+            jax.config.update("jax_enable_preemption_service", False)
+            try:
+                jax.distributed.initialize(
+                    coordinator_address=address,
+                    num_processes=world_size,
+                    process_id=rank,
+                    initialization_timeout=init_timeout,
+                    heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
+                    shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
+                    coordinator_bind_address=bind_address(address),
+                )
+            except RuntimeError as err:
+                if "must be called before" in str(err):
+                    raise RuntimeError(
+                        "tpu_dist must start JAX's distributed runtime, but JAX was already "
+                        "used in this process before the first 'tpu' process group "
+                        f"({err}). Call dist.init_process_group('tpu') before any JAX "
+                        "computation or jax.devices() call."
+                    ) from err
+                raise
+            if sigterm is not None and threading.current_thread() is threading.main_thread():
+                # JAX's preemption notifier catches SIGTERM and carries on; torch users (and
+                # tpu-launch, torchrun) expect SIGTERM to stop a worker. Put back what was there.
+                signal.signal(signal.SIGTERM, sigterm)
+            by_process: dict[int, jax.Device] = {}
+            for device in sorted(jax.devices(), key=lambda d: d.id):
+                by_process.setdefault(device.process_index, device)
+            if sorted(by_process) != list(range(world_size)):
+                raise RuntimeError(
+                    f"JAX reports devices for processes {sorted(by_process)}, expected one "
+                    f"device in each of {world_size} processes; check that every rank "
+                    "started with the same world size."
+                )
+            self.devices = [by_process[r] for r in range(world_size)]
+            self._device = self.devices[rank]
+            self._on_cpu = platform == "cpu"
+            self.programs.platform = platform
+            self.info = RuntimeInfo(world_size, rank, platform, address)
+            logger.info("tpu_dist: JAX runtime started: %s", self.info)
+            return self.info
+
+    def start_watchdog(
+        self, store: dist.Store, rank: int, world_size: int, group_timeout: timedelta
+    ) -> _watchdog.Watchdog:
+        """Start this process's watchdog once (with the default group's store); a later
+        default group hands it its store and timeout.
+
+        ``store`` is wrapped in this launch attempt's prefix (:func:`store_prefix`).
+        """
+        from tpu_dist.collectives import _watchdog
+
+        store = dist.PrefixStore(store_prefix(), store)
+        watchdog = self.watchdog
+        if watchdog is None:
+            watchdog = self.watchdog = _watchdog.Watchdog(
+                store, rank, world_size, _watchdog.policy_from_env(),
+                _watchdog.heartbeat_timeout_from_env(),
+            )
+            # Registered after jax.distributed.initialize (the runtime starts first), so it
+            # runs before JAX's own exit handlers take the runtime down.
+            atexit.register(watchdog.at_exit)
+        else:
+            watchdog._store = store
+        watchdog.group_timeout = group_timeout.total_seconds()
+        return watchdog
+
+    def global_devices(self) -> list[jax.Device]:
+        """The JAX device owned by each global rank, indexed by rank.
+
+        Raises:
+            RuntimeError: no "tpu" process group has been created in this process.
+        """
+        if self.devices is None:
+            raise _not_started()
+        return list(self.devices)
+
+    def local_device(self) -> jax.Device:
+        """The JAX device of this rank."""
+        if self._device is None:
+            raise _not_started()
+        return self._device
+
+    def to_jax(self, flat: torch.Tensor) -> jax.Array:
+        """A 1-D contiguous CPU tensor as a JAX array on this rank's device.
+
+        Zero-copy on the CPU platform (DLPack; XLA copies storage that is not
+        64-byte aligned). On TPU/GPU the data is copied to the device.
+        """
+        if flat.requires_grad:  # a Parameter or a loss: DLPack refuses them, the data is the same
+            flat = flat.detach()
+        device = self._device
+        if device is None:
+            raise _not_started()
+        if not self._on_cpu:
+            with x64_scope():
+                return jax.device_put(_as_numpy(flat), device)
+        return _jaxlib.dlpack_import(flat, device)
+
+    def to_torch(self, array: jax.Array) -> torch.Tensor:
+        """A JAX result block as a CPU tensor (zero-copy on the CPU platform)."""
+        if not self._on_cpu:
+            host = np.asarray(jax.device_get(array))
+            if host.dtype == jnp.bfloat16:
+                return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
+            return torch.from_numpy(host.copy())
+        return _jaxlib.dlpack_export(array)
+
+
+_current: Runtime | None = None
+_creating = threading.Lock()
+
+
+def get() -> Runtime:
+    """This process's :class:`Runtime`, created on first use (the first "tpu" group)."""
+    runtime = _current
+    if runtime is None:
+        runtime = _create()
+    return runtime
+
+
+def _create() -> Runtime:
+    global _current
+    with _creating:
+        if _current is None:
+            _current = Runtime()
+        return _current
+
+
+def _not_started() -> RuntimeError:
+    return RuntimeError(
+        "tpu_dist's JAX runtime is not started: call "
+        "torch.distributed.init_process_group('tpu') first."
+    )
+
+
 def info() -> RuntimeInfo | None:
     """The running runtime's :class:`RuntimeInfo`, or None before the first group."""
-    return _info
-
-
-def start(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> RuntimeInfo:
-    """Start JAX for this process once; later calls check and return the same info.
-
-    Every rank of the default group calls this while the default "tpu" group
-    is created.
-
-    Raises:
-        RuntimeError: JAX already runs with another world (a new
-            ``init_process_group`` after ``destroy_process_group`` with a
-            different world size or rank), or JAX was started by someone else
-            before the first "tpu" group.
-    """
-    global _info, _devices
-    with _lock:
-        if _info is not None:
-            if (_info.world_size, _info.rank) != (world_size, rank):
-                raise RuntimeError(
-                    "tpu_dist's JAX runtime was started for "
-                    f"world_size={_info.world_size}, rank={_info.rank} and cannot be "
-                    f"restarted in the same process as world_size={world_size}, "
-                    f"rank={rank}: JAX allows one distributed initialization per "
-                    "process. Start a new process (tpu-launch restarts workers) to "
-                    "change the world."
-                )
-            return _info
-        platform = resolve_platform()
-        # Parsed now, so that a malformed TPU_DIST_COMPILE_CACHE fails init_process_group on
-        # every rank, not the first collective (the directory is made at the first program).
-        _settings.COMPILE_CACHE.get()
-        if platform == "cpu":
-            if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
-                logger.warning(
-                    "tpu_dist: %s=cpu overrides JAX_PLATFORMS=%s for this process.",
-                    PLATFORM_ENV,
-                    os.environ["JAX_PLATFORMS"],
-                )
-            jax.config.update("jax_platforms", "cpu")
-            jax.config.update("jax_num_cpu_devices", 1)
-        elif platform == "tpu":
-            jax.config.update("jax_platforms", "tpu")
-        else:
-            jax.config.update("jax_platforms", "cuda")
-        address = _exchange_coordinator_address(store, rank, timeout)
-        init_timeout = max(int(timeout.total_seconds()), 10)
-        sigterm = signal.getsignal(signal.SIGTERM)
-        # A process that exits is not an error for the others (no error propagation, no
-        # shutdown barrier); JAX's preemption notifier would swallow SIGTERM.
-        jax.config.update("jax_enable_recoverability", True)
-        jax.config.update("jax_enable_preemption_service", False)
-        try:
-            jax.distributed.initialize(
-                coordinator_address=address,
-                num_processes=world_size,
-                process_id=rank,
-                initialization_timeout=init_timeout,
-                heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
-                shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
-                coordinator_bind_address=bind_address(address),
-            )
-        except RuntimeError as err:
-            if "must be called before" in str(err):
-                raise RuntimeError(
-                    "tpu_dist must start JAX's distributed runtime, but JAX was already "
-                    "used in this process before the first 'tpu' process group "
-                    f"({err}). Call dist.init_process_group('tpu') before any JAX "
-                    "computation or jax.devices() call."
-                ) from err
-            raise
-        if sigterm is not None and threading.current_thread() is threading.main_thread():
-            # JAX's preemption notifier catches SIGTERM and carries on; torch users (and
-            # tpu-launch, torchrun) expect SIGTERM to stop a worker. Put back what was there.
-            signal.signal(signal.SIGTERM, sigterm)
-        by_process: dict[int, jax.Device] = {}
-        for device in sorted(jax.devices(), key=lambda d: d.id):
-            by_process.setdefault(device.process_index, device)
-        if sorted(by_process) != list(range(world_size)):
-            raise RuntimeError(
-                f"JAX reports devices for processes {sorted(by_process)}, expected one "
-                f"device in each of {world_size} processes; check that every rank "
-                "started with the same world size."
-            )
-        _devices = [by_process[r] for r in range(world_size)]
-        _info = RuntimeInfo(world_size, rank, platform, address)
-        logger.info("tpu_dist: JAX runtime started: %s", _info)
-        return _info
+    return _current.info if _current is not None else None
 
 
 def attempt() -> int:
@@ -281,7 +414,8 @@ def disconnect() -> None:
     ``jax.distributed.shutdown()``, which JAX's own exit handler would call later; the CPU
     collectives need the service only to set up communicators.
     """
-    if _info is not None and _info.rank != 0 and jax.distributed.is_initialized():
+    started = info()
+    if started is not None and started.rank != 0 and jax.distributed.is_initialized():
         jax.distributed.shutdown()
 
 
@@ -339,22 +473,7 @@ def global_devices() -> list[jax.Device]:
     Raises:
         RuntimeError: no "tpu" process group has been created in this process.
     """
-    if _devices is None:
-        raise RuntimeError(
-            "tpu_dist's JAX runtime is not started: call "
-            "torch.distributed.init_process_group('tpu') first."
-        )
-    return list(_devices)
-
-
-def local_device() -> jax.Device:
-    """The JAX device of this rank."""
-    if _devices is None or _info is None:
-        raise RuntimeError(
-            "tpu_dist's JAX runtime is not started: call "
-            "torch.distributed.init_process_group('tpu') first."
-        )
-    return _devices[_info.rank]
+    return get().global_devices()
 
 
 def release_results() -> None:
@@ -363,27 +482,13 @@ def release_results() -> None:
 
 
 def to_jax(flat: torch.Tensor) -> jax.Array:
-    """A 1-D contiguous CPU tensor as a JAX array on this rank's device.
-
-    Zero-copy on the CPU platform (DLPack; XLA copies storage that is not
-    64-byte aligned). On TPU/GPU the data is copied to the device.
-    """
-    if flat.requires_grad:  # a Parameter or a loss: DLPack refuses them, the data is the same
-        flat = flat.detach()
-    if _info is not None and _info.platform != "cpu":
-        with x64_scope():
-            return jax.device_put(_as_numpy(flat), local_device())
-    return _jaxlib.dlpack_import(flat, local_device())
+    """:meth:`Runtime.to_jax` of this process's runtime."""
+    return get().to_jax(flat)
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
-    """A JAX result block as a CPU tensor (zero-copy on the CPU platform)."""
-    if _info is not None and _info.platform != "cpu":
-        host = np.asarray(jax.device_get(array))
-        if host.dtype == jnp.bfloat16:
-            return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
-        return torch.from_numpy(host.copy())
-    return _jaxlib.dlpack_export(array)
+    """:meth:`Runtime.to_torch` of this process's runtime."""
+    return get().to_torch(array)
 
 
 def _as_numpy(flat: torch.Tensor) -> np.ndarray:

@@ -41,17 +41,21 @@ ends any process whose coordination service went away.
 
 Every key lives under the launch attempt's prefix (``_runtime.store_prefix``),
 so a restarted job never reads an earlier attempt's notes.
+
+The process's one :class:`Watchdog` belongs to the runtime (``_runtime.get().watchdog``,
+started with the default group); :func:`track` is the *track* stage of every call (flight
+recorder, then the watchdog), which the process groups run before dispatch.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -483,17 +487,16 @@ class Watchdog:
 
 
 def explain_failure(
-    error: BaseException, op: str, group: str, seq: int, group_ranks: list[int], rank: int,
-    wait: float = 3.0,
+    watchdog: Watchdog | None, error: BaseException, op: str, group: str, seq: int,
+    group_ranks: list[int], rank: int, wait: float = 3.0,
 ) -> dist.DistBackendError:
     """Turn a failed XLA collective into a DistBackendError that names the missing ranks.
 
-    Every rank whose copy of the collective failed reports in through the
-    store; the ranks that do not report within ``wait`` seconds are the ones
-    that are gone (a dead peer makes every survivor's collective fail at once).
+    Every rank whose copy of the collective failed reports in through ``watchdog``'s store;
+    the ranks that do not report within ``wait`` seconds are the ones that are gone (a dead
+    peer makes every survivor's collective fail at once).
     """
     where = f"{op} (collective #{seq} of group {group!r}, ranks {group_ranks}) failed on rank {rank}"
-    watchdog = _watchdog
     missing: list[int] | None = None
     if watchdog is not None:
         result: list[list[int]] = []
@@ -553,30 +556,36 @@ def _pid_state(pid: int) -> str:
     return "stopped" if state in ("T", "t") else "running"
 
 
-_watchdog: Watchdog | None = None
+def track(
+    watchdog: Watchdog | None,
+    work: TPUWork,
+    group: str,
+    group_ranks: Sequence[int],
+    seq: int,
+    op: str,
+    meta: tuple,
+    params: tuple,
+    timeout: timedelta,
+) -> None:
+    """Record ``work`` in the flight recorder and put it under ``watchdog``: every call, p2p
+    included, before it is dispatched (the first call of a program sets up XLA's
+    communicators inside dispatch and blocks there until every peer arrives).
 
-
-def start(store: dist.Store, rank: int, world_size: int, group_timeout: timedelta) -> Watchdog:
-    """Start this process's watchdog once (with the default group's store).
-
-    ``store`` is wrapped in this launch attempt's prefix (``_runtime.store_prefix``).
+    Raises:
+        torch.distributed.DistBackendError: the group failed earlier (raise policy).
     """
-    from tpu_dist.collectives import _runtime
+    if watchdog is not None:
+        watchdog.check_usable(group, op)
+    entry = flight_recorder.recorder().record(group, group_ranks, seq, op, meta, params)
+    if watchdog is not None:
+        watchdog.issued(group, seq)
+        watchdog.watch(InFlight(
+            work, group, list(group_ranks), seq, op, time.monotonic(), timeout.total_seconds()
+        ))
 
-    global _watchdog
-    store = dist.PrefixStore(_runtime.store_prefix(), store)
-    if _watchdog is None:
-        _watchdog = Watchdog(store, rank, world_size, policy_from_env(), heartbeat_timeout_from_env())
-        # Registered after jax.distributed.initialize (the runtime starts first), so it runs
-        # before JAX's own exit handlers take the runtime down.
-        atexit.register(_watchdog.at_exit)
-    else:
-        _watchdog._store = store
-    _watchdog.group_timeout = group_timeout.total_seconds()
-    return _watchdog
+    def on_done(error: BaseException | None) -> None:
+        flight_recorder.FlightRecorder.finish(entry, error)
+        if watchdog is not None:
+            watchdog.done(work)
 
-
-def get() -> Watchdog | None:
-    """This process's watchdog, once a default group exists."""
-    return _watchdog
-
+    work.on_done(on_done)

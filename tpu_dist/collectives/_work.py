@@ -22,7 +22,7 @@ implies its predecessors' outputs):
 
 * ``work.wait()`` (what every synchronous torch.distributed call does),
 * ``work.is_completed()`` once the arrays are ready,
-* the completion thread, once ``work.get_future()`` has been asked for (DDP
+* the completion thread (:class:`Completer`, the runtime's), once ``work.get_future()`` has been asked for (DDP
   comm hooks chain on the future without waiting on the work),
 * the watchdog thread, about a second after the program finished, for a work
   nobody waits on (as gloo's and NCCL's outputs appear without ``wait()``),
@@ -363,7 +363,7 @@ class TPUWork(dist._Work):
                 if self._state in _ENDED:
                     self._settle(self._future)
                 else:
-                    _completer.submit(self)
+                    _runtime.get().completer.submit(self)
             return self._future
 
 
@@ -379,8 +379,9 @@ def wait_interruptibly(work: TPUWork, future: concurrent.futures.Future) -> list
             delay = min(delay * 2, _MAX_POLL_SLEEP)
 
 
-class _Completer:
-    """One daemon thread per process that completes works whose future was asked for."""
+class Completer:
+    """A daemon thread that completes works whose future was asked for (one per process, the
+    runtime's)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[TPUWork] = queue.SimpleQueue()
@@ -401,5 +402,3 @@ class _Completer:
             work = self._queue.get()
             work.complete()
 
-
-_completer = _Completer()

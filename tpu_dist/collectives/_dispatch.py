@@ -1,0 +1,249 @@
+"""Dispatch: the one ordered way programs of "tpu" groups are started in a process.
+
+Owned by the runtime (``_runtime.get()``), one of each per process:
+
+* :class:`Dispatcher` starts XLA programs, collectives and point-to-point alike, in the order
+  every rank agrees on (inline when it can, else on its helper thread);
+* :class:`P2PQueue` holds the point-to-point ops waiting to be dispatched: an XLA program
+  needs both ends, so a send and its recv must run the same program in the same order on both
+  ranks; queued ops are dispatched, sorted by (rank pair, direction, tag), when any of them is
+  waited on or the next collective is issued;
+* :class:`DeviceSets` counts the groups over each set of devices: calls on a set that two
+  groups share need the ranks to agree on their order first (:class:`Dispatcher`).
+
+The process groups (:mod:`._backend`) plan and track each call, then hand its program here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tpu_dist.collectives import _plan
+from tpu_dist.collectives._lowering import ProgramKey
+
+if TYPE_CHECKING:
+    from tpu_dist.collectives._runtime import Runtime
+    from tpu_dist.collectives._work import TPUWork
+
+Ticket = tuple[int, int, int]
+"""Where a call stands among the calls on its device set: (index of its group among the groups
+over that set, the group's sequence number, 0 for a DETAIL check and 1 for the call itself)."""
+
+
+@dataclass
+class _Job:
+    """One program for the dispatcher to start."""
+
+    future: concurrent.futures.Future
+    key: ProgramKey
+    devices: Sequence
+    arrays: list
+    ticket: Ticket | None = None
+    """Set for a call on a device set that several groups share (:class:`Dispatcher`)."""
+
+
+class Dispatcher:
+    """Starts XLA programs on one helper thread, in call order.
+
+    XLA:CPU runs small programs inline, inside dispatch, and the first call of a program sets
+    up communicators there: either blocks the caller until every peer has arrived. An
+    ``async_op=True`` call must return at once, so its program starts here; with
+    TPU_DIST_TIMEOUT_POLICY=raise every call starts here, so that the caller waits where the
+    watchdog's error reaches it. Programs must start in the same order on every rank, so while
+    this thread has programs to start, every other one of the process starts here too
+    (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread hop.
+
+    Groups over the same devices. XLA keys its communicators by the set of devices a program
+    runs on (``gloo/<device ids>`` on CPU, one gloo context per set, every message tagged 0),
+    so two groups over the same ranks share one communicator, where torch's gloo gives each
+    group its own. Calls of two such groups issued from two threads reach XLA in a different
+    order on different ranks, and then one rank's all_reduce of group A meets the other's of
+    group B: wrong numbers when the sizes agree, gloo's abort when they do not. So every call
+    on a device set that two or more groups share starts here, and the ranks agree on the
+    order first: each rank offers its oldest waiting call's :data:`Ticket` in a small
+    all-gather over the set (one extra program per call, only on shared sets), all take the
+    smallest ticket offered, and each starts that call as soon as it has been issued locally.
+    One call starts per round, so every rank starts the same calls in the same order.
+    """
+
+    def __init__(self, runtime: Runtime) -> None:
+        self._rt = runtime
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._queued = 0
+        # Per shared device set (sorted device ids): its waiting calls by ticket, in arrival
+        # order, and the ticket all ranks agreed on that has not been issued here yet.
+        self._waiting: dict[tuple[int, ...], dict[Ticket, _Job]] = {}
+        self._awaited: dict[tuple[int, ...], Ticket] = {}
+
+    def submit(
+        self, key: ProgramKey, devices, arrays, ticket: Ticket | None = None
+    ) -> concurrent.futures.Future:
+        """Start ``key``'s program after every earlier one; the future holds its result blocks.
+
+        With a ``ticket``, the program starts in the order the ranks agree on (class doc).
+        """
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self._thread is None:
+                # A daemon thread: one stuck in a collective whose peer is gone must not keep
+                # the process from exiting (a ThreadPoolExecutor's worker would).
+                self._thread = threading.Thread(
+                    target=self._loop, name="tpu_dist-dispatch", daemon=True
+                )
+                self._thread.start()
+            self._queued += 1
+        self._queue.put(_Job(future, key, devices, list(arrays), ticket))
+        return future
+
+    def run_in_order(self, key: ProgramKey, devices, arrays) -> list:
+        """Start ``key``'s program now, inline, unless earlier ones are still queued here."""
+        if self._queued == 0:
+            return self._rt.programs.run(key, devices, arrays)
+        return self.submit(key, devices, arrays).result()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job.ticket is None:
+                self._start(job)
+            else:
+                self._order(job)
+
+    def _start(self, job: _Job) -> None:
+        try:
+            outs = self._rt.programs.run(job.key, job.devices, job.arrays)
+        except BaseException as err:  # handed to whoever waits on the future
+            self._one_started()
+            job.future.set_exception(err)
+        else:
+            self._one_started()
+            job.future.set_result(outs)
+
+    def _order(self, job: _Job) -> None:
+        """Start the calls of ``job``'s device set in the order every rank agrees on."""
+        devices = sorted(job.devices, key=lambda d: d.id)
+        ids = tuple(d.id for d in devices)
+        waiting = self._waiting.setdefault(ids, {})
+        waiting[job.ticket] = job
+        while waiting:
+            awaited = self._awaited.get(ids)
+            if awaited is not None:
+                if awaited not in waiting:
+                    return  # the agreed call has not been issued here yet
+                del self._awaited[ids]
+                self._start(waiting.pop(awaited))
+                continue
+            offer = next(iter(waiting))
+            try:
+                agreed = min(self._agree(devices, offer))
+            except BaseException as err:  # the set is broken: every call on it fails
+                for failed in waiting.values():
+                    self._one_started()
+                    failed.future.set_exception(err)
+                waiting.clear()
+                return
+            if agreed in waiting:
+                self._start(waiting.pop(agreed))
+            else:
+                self._awaited[ids] = agreed
+
+    def _agree(self, devices: list, offer: Ticket) -> list[Ticket]:
+        """All-gather every rank's offered ticket over ``devices`` (sorted by id)."""
+        ids = tuple(d.id for d in devices)
+        key = _plan.program_key("allgather", ids, ((len(offer), "int32"),), (), devices[0].platform)
+        mine = self._rt.to_jax(torch.tensor(offer, dtype=torch.int32))
+        (gathered,) = self._rt.programs.run(key, devices, [mine])
+        gathered.block_until_ready()
+        rows = self._rt.to_torch(gathered).view(len(ids), len(offer)).tolist()
+        return [tuple(row) for row in rows]
+
+    def _one_started(self) -> None:
+        with self._lock:
+            self._queued -= 1
+
+
+@dataclass
+class P2POp:
+    """A planned send or recv waiting in the :class:`P2PQueue`."""
+
+    work: TPUWork
+    plan: _plan.P2PPlan
+    dispatch: Callable[[P2POp, bool], None]
+    """Tracks and starts the op (its group's); never raises (it fails ``work`` instead)."""
+    seq: int = 0
+    """Its number among the ops between its two ranks, set when it is dispatched."""
+
+
+def _p2p_order(op: P2POp) -> tuple[int, int, int, int]:
+    """(low rank, high rank, 0 if the lower one sends else 1, tag): the same on both ends."""
+    low, high = op.plan.pair
+    upward = (op.plan.op == "send") == (op.plan.peer == high)
+    return (low, high, 0 if upward else 1, op.plan.tag)
+
+
+@dataclass
+class P2PQueue:
+    """Point-to-point ops of this process that wait to be dispatched (module doc)."""
+
+    pending: list[P2POp] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    _seq: dict[tuple[int, int], int] = field(default_factory=dict)
+
+    def add(self, op: P2POp) -> None:
+        with self.lock:
+            self.pending.append(op)
+
+    def next_seq(self, pair: tuple[int, int]) -> int:
+        """The next sequence number of the ops between the global ranks ``pair``."""
+        seq = self._seq[pair] = self._seq.get(pair, 0) + 1
+        return seq
+
+    def flush(self, block: bool = True) -> None:
+        """Dispatch every queued op, in the order every rank agrees on (module doc).
+
+        Never raises: an op whose program cannot be started fails its own work. With
+        ``block=False`` every program starts on the dispatcher thread (a ``wait(timeout)``).
+        """
+        if not self.pending:  # every collective calls this; most find nothing queued
+            return
+        with self.lock:
+            ops, self.pending = self.pending, []
+        for op in sorted(ops, key=_p2p_order):
+            op.dispatch(op, block)
+
+
+class DeviceSets:
+    """How many "tpu" groups of this process are over each set of devices (sorted ids).
+
+    The same on every member rank, since groups are created (and destroyed) by every member in
+    the same order; a group's index on its set (:meth:`add`) is never reused.
+    """
+
+    def __init__(self) -> None:
+        self._live: dict[tuple[int, ...], int] = {}
+        self._created: dict[tuple[int, ...], int] = {}
+
+    def add(self, device_set: tuple[int, ...]) -> int:
+        """Count a new group over ``device_set``; returns its index among the groups ever
+        created over that set."""
+        index = self._created.get(device_set, 0)
+        self._created[device_set] = index + 1
+        self._live[device_set] = self._live.get(device_set, 0) + 1
+        return index
+
+    def remove(self, device_set: tuple[int, ...]) -> None:
+        """A group over ``device_set`` was destroyed."""
+        self._live[device_set] -= 1
+
+    def shared(self, device_set: tuple[int, ...]) -> bool:
+        """Whether two or more live groups run over ``device_set`` (of two or more devices)."""
+        return len(device_set) >= 2 and self._live.get(device_set, 0) >= 2
