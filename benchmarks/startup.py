@@ -90,12 +90,16 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run(backend: str, nproc: int, env: dict[str, str]) -> dict[str, dict[str, float]]:
-    """One torchrun of the worker; per step, rank 0's seconds and the slowest rank's."""
+def run(
+    backend: str, nproc: int, env: dict[str, str], worker: str = _WORKER,
+    steps: tuple[str, ...] = STEPS,
+) -> dict[str, dict[str, float]]:
+    """One torchrun of ``worker`` (which appends each rank's marks, a JSON line, to
+    ``$STARTUP_BENCH_OUT``); per step, rank 0's seconds and the slowest rank's."""
     with tempfile.TemporaryDirectory() as tmp:
         script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "marks.jsonl")
         with open(script, "w") as f:
-            f.write(_WORKER)
+            f.write(worker)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(_free_port()), script, backend]
         proc = subprocess.run(cmd, env={**os.environ, **env, "STARTUP_BENCH_OUT": out},
@@ -116,7 +120,7 @@ def run(backend: str, nproc: int, env: dict[str, str]) -> dict[str, dict[str, fl
     if files:
         print(f"{backend}: workers imported {', '.join(sorted(files))}", file=sys.stderr)
     rank0 = next(r for r in rows if r["rank"] == 0)
-    return {step: {"rank0": rank0[step], "max": max(r[step] for r in rows)} for step in STEPS}
+    return {step: {"rank0": rank0[step], "max": max(r[step] for r in rows)} for step in steps}
 
 
 def main() -> None:

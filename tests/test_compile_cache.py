@@ -245,27 +245,35 @@ _NAMES = textwrap.dedent(
     from tpu_dist.collectives import ProgramKey
     from tpu_dist.collectives._compile_cache import entry_name
 
-    devices = jax.devices("cpu")[:1]
-    base = ProgramKey("allreduce", (devices[0].id,), ((8, "float32"),), ("SUM",), "exchange")
+    devices = jax.devices("cpu")
+    base = ProgramKey("allreduce", (0, 1), ((8, "float32"),), ("SUM",), "exchange")
     changed = {
-        "kind": "allgather", "devices": (devices[0].id + 1,), "blocks": ((9, "float32"),),
-        "params": ("MAX",), "algorithm": "xla",
+        "kind": "allgather", "blocks": ((9, "float32"),), "params": ("MAX",), "algorithm": "xla",
     }
-    assert set(changed) == {f.name for f in dataclasses.fields(ProgramKey)}, "a new field"
-    names = [entry_name(base, devices)]
-    names += [entry_name(dataclasses.replace(base, **{f: v}), devices) for f, v in changed.items()]
-    print("RESULT" + json.dumps(names))
+    assert set(changed) | {"devices"} == {f.name for f in dataclasses.fields(ProgramKey)}, (
+        "a new field")
+    names = [entry_name(base, devices[:2])]
+    names += [entry_name(dataclasses.replace(base, **{f: v}), devices[:2])
+              for f, v in changed.items()]
+    names.append(entry_name(dataclasses.replace(base, devices=(0,)), devices[:1]))  # 1 device
+    other = [entry_name(dataclasses.replace(base, devices=(3, 1)), [devices[3], devices[1]])]
+    print("RESULT" + json.dumps({"names": names, "other_devices": other}))
     """
 )
 
 
 def test_every_field_of_the_program_key_names_its_own_entry() -> None:
     """Two programs that differ in any field of their key (the algorithm too: an exchange and
-    XLA's all-reduce of the same blocks) must never share a cache entry."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    XLA's all-reduce of the same blocks) or in their group's size must never share a cache
+    entry; on CPU, groups of the same size and layout on other devices do (one process's
+    devices here: [3, 1] finds [0, 1]'s entry, loaded onto its own devices)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
     proc = subprocess.run([sys.executable, "-c", _NAMES], env=env, capture_output=True,
                           text=True, timeout=120)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    names = json.loads(lines[-1][len("RESULT"):])
+    out = json.loads(lines[-1][len("RESULT"):])
+    names = out["names"]
     assert len(names) == 6 and len(set(names)) == 6, names
+    assert out["other_devices"] == names[:1]

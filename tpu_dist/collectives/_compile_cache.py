@@ -11,9 +11,11 @@ Why not JAX's own persistent cache (``JAX_COMPILATION_CACHE_DIR``)? On the CPU p
 helps rank 0 only: its key hashes the process's own CPU topology, which differs from rank to
 rank, and only JAX process 0 writes entries (measured with jax 0.10.2: a warm cache gave rank
 0 a 4 ms load and ranks 1-3 a full compile). The key here is the program's
-:class:`~tpu_dist.collectives._lowering.ProgramKey` and the group's devices (ids, processes,
-kinds), the same on every rank of the group: the group's ranks share one entry, whichever
-rank wrote it (each loads it onto its own device).
+:class:`~tpu_dist.collectives._lowering.ProgramKey` and the group's size and layout
+(:func:`placement_key`: on CPU each group rank's process, numbered by first appearance, and
+device kind, not the device ids), the same on every rank of the group: the group's ranks, and
+the ranks of every group of the same size and layout, share one entry, whichever rank wrote it
+(each loads it onto its own group's devices).
 
 **Only programs this process really compiled are stored.** XLA:CPU (jaxlib 0.10.2) cannot
 serialize an executable that was itself loaded from a serialized one: the copy keeps the
@@ -26,13 +28,21 @@ process), so :func:`watch_compile` tells a real compilation from a load by JAX's
 monitoring events, and :func:`store` is only called for real ones. When it cannot tell (a
 JAX that no longer reports those events), nothing is stored: the cache is then off, not wrong.
 
-A program is bound to its devices: an executable compiled for devices (0, 1) does not run on
-(2, 3) (XLA: "local device count is 0"), so ``new_group([2, 3])`` compiles its own programs
-even when ``new_group([0, 1])`` has the same shapes; the cache then serves each group's
-programs to later processes.
+One program serves every group of the same size and layout on CPU. XLA:CPU's code does not
+depend on which devices run it: its collectives name group ranks (partitions), and the device
+assignment it is loaded with maps them to devices, which decides both which process runs
+which group rank and who its gloo peers are. So an entry written for ``new_group([0, 1])`` is
+loaded for ``new_group([2, 3])`` (or ``[1, 0]``) with that group's assignment
+(:func:`deserialize`, through :func:`tpu_dist.collectives._jaxlib.load_onto`), and within a
+process :class:`~tpu_dist.collectives._lowering.ProgramCache` does the same with the programs
+it compiled, without the disk (benchmarks/README.md, E30). JAX's public loader cannot: it
+looks the written device ids up among the new devices (``KeyError``), and with the ids
+remapped the executable keeps its old assignment (XLA: "replica is assigned to device cpu:0").
+On TPU the compiled code may depend on the physical devices and the ICI links between them,
+so there each device set keeps entries (and programs) of its own, named by device ids too.
 
 Ranks never disagree on a program: an entry is found only under the digest of the code that
-builds the program (``_lowering.py``, ``_runtime.py``), the program's key and devices, the
+builds the program (``_lowering.py``, ``_runtime.py``), the program's key and placement, the
 JAX/jaxlib versions, the platform version and ``XLA_FLAGS``/``LIBTPU_INIT_ARGS``; XLA compiles
 the same program to the same code, so a rank that loads runs what a rank that compiles runs.
 
@@ -70,6 +80,7 @@ import jax
 import jaxlib
 
 from tpu_dist import _settings
+from tpu_dist.collectives import _jaxlib
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._lowering import ProgramKey
@@ -79,8 +90,9 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 1 << 30
 """The directory's size cap: past it, the least recently used entries are removed (checked once
 a process, at its first write)."""
-_MAGIC = b"tpu_dist-xla-entry-2\n"
-"""Every entry starts with this line, then the SHA-256 of the rest, then the serialized program."""
+_MAGIC = b"tpu_dist-xla-entry-3\n"
+"""Every entry starts with this line, then the SHA-256 of the rest, then the device ids the
+program was compiled for (``0,2``) on a line, then the serialized program."""
 _DIGEST_BYTES = 32
 _SUFFIX = ".xla"
 
@@ -171,6 +183,31 @@ def _code_fingerprint() -> str:
     return digest.hexdigest()
 
 
+def layout(devices: Sequence[jax.Device]) -> tuple[tuple[int, str], ...]:
+    """What of a group's devices a CPU program's code depends on: for each group rank, its
+    device's kind and its process, numbered in order of first appearance (so ranks [0, 2] and
+    [3, 1] of a world with one device per process both read ``((0, "cpu"), (1, "cpu"))``)."""
+    first: dict[int, int] = {}
+    return tuple(
+        (first.setdefault(d.process_index, len(first)), d.device_kind) for d in devices
+    )
+
+
+def placement_key(key: ProgramKey, devices: Sequence[jax.Device]) -> tuple:
+    """What names ``key``'s program over ``devices`` apart from the program itself.
+
+    On the CPU platform, the program's :func:`layout`, not its device ids: XLA:CPU's code does
+    not depend on which devices run it (its collectives name group ranks, and the device
+    assignment given when it is loaded maps them to devices), so one compiled program serves
+    every group of the same size and layout (:func:`deserialize`). Elsewhere the device ids
+    too: on TPU the compiled code may depend on the physical devices and the ICI links between
+    them, so each device set keeps programs of its own.
+    """
+    if devices and devices[0].platform == "cpu":
+        return dataclasses.replace(key, devices=()), layout(devices)
+    return key, tuple((d.id, d.process_index, d.device_kind) for d in devices)
+
+
 def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
     """The file name of ``key``'s program over ``devices``: a digest of all that decides it."""
     global _fingerprint
@@ -180,8 +217,7 @@ def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
     parts = (
         _MAGIC, jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
         _fingerprint, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-        jax.process_count(), dataclasses.astuple(key),
-        tuple((d.id, d.process_index, d.device_kind) for d in devices),
+        jax.process_count(), placement_key(key, devices),
     )
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
     return f"{key.kind}-{digest[:40]}{_SUFFIX}"
@@ -255,13 +291,60 @@ def _trees(n_args: int) -> tuple:
     return jax.tree_util.tree_structure((leaves, {})), jax.tree_util.tree_structure(leaves)
 
 
-def load(
-    key: ProgramKey, devices: Sequence[jax.Device], platform: str
-) -> jax.stages.Compiled | None:
-    """``key``'s compiled program from the cache, or None (off, not there, or unusable: a
-    damaged entry is warned about and left to be replaced by the next :func:`store`)."""
+@dataclass(frozen=True)
+class Serialized:
+    """A program as XLA compiled it (``serialize_executable.serialize``), never one that was
+    loaded (module doc): what the on-disk cache stores and the process keeps to load the
+    program onto other groups' devices."""
+
+    blob: bytes
+    devices: tuple[int, ...]
+    """The JAX device ids it was compiled for, in group-rank order."""
+
+
+def serialize(
+    key: ProgramKey, devices: Sequence[jax.Device], compiled: jax.stages.Compiled
+) -> Serialized | None:
+    """``compiled`` (which XLA compiled in this process: :func:`watch_compile`), serialized;
+    None, warned once, if it cannot be (the program runs all the same)."""
     from jax.experimental import serialize_executable
 
+    try:
+        blob, _, _ = serialize_executable.serialize(compiled)
+    except Exception as err:  # noqa: BLE001 - a program that cannot be stored is still usable
+        _warn_once(f"serialize:{key.kind}", "tpu_dist: cannot serialize a %s program for the "
+                   "compile cache (%s: %s).", key.kind, type(err).__name__, err)
+        return None
+    return Serialized(blob, tuple(d.id for d in devices))
+
+
+def deserialize(
+    serialized: Serialized, devices: Sequence[jax.Device], n_args: int
+) -> jax.stages.Compiled | None:
+    """``serialized`` loaded to run on ``devices`` (group rank ``i`` on ``devices[i]``), which
+    have its :func:`placement_key`; None when it was written for other devices and this jax
+    cannot load it onto them (:func:`tpu_dist.collectives._jaxlib.load_onto`).
+
+    Raises:
+        Exception: whatever XLA raises for a program it refuses.
+    """
+    from jax.experimental import serialize_executable
+
+    in_tree, out_tree = _trees(n_args)
+    if serialized.devices == tuple(d.id for d in devices):
+        return serialize_executable.deserialize_and_load(
+            serialized.blob, in_tree, out_tree, devices[0].client, list(devices)
+        )
+    return _jaxlib.load_onto(serialized.blob, in_tree, out_tree, serialized.devices, devices)
+
+
+def load(
+    key: ProgramKey, devices: Sequence[jax.Device], platform: str
+) -> tuple[jax.stages.Compiled, Serialized] | None:
+    """``key``'s compiled program from the cache, loaded onto ``devices``, and the entry it
+    came from (a program of the same :func:`placement_key`, perhaps written for other devices);
+    or None (off, not there, or unusable: a damaged entry is warned about and left to be
+    replaced by the next :func:`store`)."""
     root = directory(platform)
     if root is None:
         return None
@@ -275,11 +358,13 @@ def load(
                    "compiling the program instead.", path, err)
         return None
     header = len(_MAGIC) + _DIGEST_BYTES
-    blob = data[header:]
+    body = data[header:]
+    ids, newline, blob = body.partition(b"\n")
     if (
         not data.startswith(_MAGIC)
-        or len(data) <= header
-        or hashlib.sha256(blob).digest() != data[len(_MAGIC):header]
+        or not newline
+        or not blob
+        or hashlib.sha256(body).digest() != data[len(_MAGIC):header]
     ):
         _warn_once(
             f"damaged:{path}", "tpu_dist: the compile cache entry %s is damaged or truncated "
@@ -287,47 +372,39 @@ def load(
             "replacing it.", path, len(data),
         )
         return None
-    in_tree, out_tree = _trees(len(key.blocks))
+    serialized = Serialized(blob, tuple(int(i) for i in ids.split(b",")))
     try:
-        compiled = serialize_executable.deserialize_and_load(
-            blob, in_tree, out_tree, devices[0].client, list(devices)
-        )
+        compiled = deserialize(serialized, devices, len(key.blocks))
     except Exception as err:  # noqa: BLE001 - an entry XLA refuses is a miss, compiled again
         _warn_once(
             f"load:{path}", "tpu_dist: the compile cache entry %s did not load (%s: %s); "
             "compiling the program again and replacing it.", path, type(err).__name__, err,
         )
         return None
+    if compiled is None:
+        return None
     with contextlib.suppress(OSError):
         os.utime(path)  # trimming removes the least recently used entries first
-    return compiled
+    return compiled, serialized
 
 
 def store(
-    key: ProgramKey, devices: Sequence[jax.Device], platform: str,
-    compiled: jax.stages.Compiled,
+    key: ProgramKey, devices: Sequence[jax.Device], platform: str, serialized: Serialized
 ) -> None:
-    """Put ``key``'s program, which XLA compiled in this process (:func:`watch_compile`), in
-    the cache (when on). Failures only warn: the program runs all the same."""
-    from jax.experimental import serialize_executable
-
+    """Put ``key``'s program over ``devices``, :func:`serialize` d, in the cache (when on).
+    Failures only warn: the program runs all the same."""
     root = directory(platform)
     if root is None:
         return
-    try:
-        blob, _, _ = serialize_executable.serialize(compiled)
-    except Exception as err:  # noqa: BLE001 - a program that cannot be stored is still usable
-        _warn_once(f"serialize:{key.kind}", "tpu_dist: cannot serialize a %s program for the "
-                   "compile cache (%s: %s).", key.kind, type(err).__name__, err)
-        return
     path = root / entry_name(key, devices)
+    body = b",".join(b"%d" % i for i in serialized.devices) + b"\n" + serialized.blob
     try:
         fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(_MAGIC)
-                out.write(hashlib.sha256(blob).digest())
-                out.write(blob)
+                out.write(hashlib.sha256(body).digest())
+                out.write(body)
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -3,7 +3,8 @@
 The private calls save time on the hot path of every collective (measured in
 benchmarks/README.md): jaxlib's direct DLPack import and export (E6), the loaded executable's own
 ``execute`` on single-device blocks (E14), and draining jaxlib's queue of deferred buffer frees
-(result blocks otherwise stay allocated until Python's next garbage collection). None of them is
+(result blocks otherwise stay allocated until Python's next garbage collection); on a new group,
+loading the program another group of the same size compiled instead of compiling (E30). None is
 a stable API, so each is reached here only, and when one is missing or its signature changed
 the public call is used instead and a warning says so, once per call per process:
 
@@ -15,6 +16,9 @@ DLPack export             ``_jax.buffer_to_dlpack_managed_tensor``       ``torch
 start a program           ``Compiled._executable.xla_executable          ``Compiled.__call__`` on
                           .execute``                                     global arrays
 free deferred results     ``_jax.collect_garbage``                       Python's garbage collector
+load a program onto       ``compiler.get_compile_options``, a client's   compile the program for
+other devices (CPU)       ``deserialize_executable`` with them, and      those devices
+                          ``jax.stages.Compiled`` built by hand
 keep a program out of     a thread-local ``persistent_cache_min_         none: the executable is
 JAX's persistent cache    compile_time_secs`` (``jax._src.config``)      written (compile-only
                                                                          ones then warn on read)
@@ -24,11 +28,14 @@ JAX's persistent cache    compile_time_secs`` (``jax._src.config``)      written
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import pickle
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -45,6 +52,11 @@ try:
     from jax._src.config import persistent_cache_min_compile_time_secs as _min_cached_compile_time
 except ImportError:  # pragma: no cover - another jax
     _min_cached_compile_time = None
+try:
+    from jax._src.compiler import get_compile_options as _get_compile_options
+    from jax._src.lib import xla_client as _xc
+except ImportError:  # pragma: no cover - another jax
+    _get_compile_options = _xc = None
 _execute_usable = True
 
 _FALLBACKS = {
@@ -58,6 +70,10 @@ _FALLBACKS = {
     "are freed at the next collection, not after each call)",
     "uncached": "a thread-local JAX cache setting -> none (compile-only executables are "
     "written to JAX's persistent cache, and every later read of one warns that it cannot load)",
+    "load_onto": "loading a program compiled for other devices of the same layout (JAX's "
+    "get_compile_options, a client's deserialize_executable with compile options) -> "
+    "compiling the program for each group's devices (35-320 ms per new group instead of "
+    "~2 ms on CPU)",
 }
 """Name of each private call -> what replaces it and what that costs."""
 
@@ -171,3 +187,59 @@ def uncached() -> Iterator[None]:
         scope = contextlib.nullcontext()
     with scope:
         yield
+
+
+class _OntoUnpickler(pickle.Unpickler):
+    """Reads what ``jax.experimental.serialize_executable.serialize`` wrote, onto other devices:
+    device ``written_for[i]`` becomes ``devices[i]`` (in the shardings and the device list),
+    and the executable is loaded with ``devices`` as its device assignment."""
+
+    def __init__(self, blob: bytes, written_for: Sequence[int], devices: Sequence[jax.Device]):
+        super().__init__(io.BytesIO(blob))
+        self._client = devices[0].client
+        self._by_id = dict(zip(written_for, devices, strict=True))
+        self._devices = _xc.DeviceList(tuple(devices))
+        self._options = _get_compile_options(
+            num_replicas=1, num_partitions=len(devices),
+            device_assignment=np.array([list(devices)], dtype=object), backend=self._client,
+        )
+        self._options.executable_build_options.use_spmd_partitioning = True
+
+    def persistent_load(self, pid: tuple) -> object:
+        if pid[0] == "exec":
+            return self._client.deserialize_executable(pid[1], self._devices, self._options)
+        if pid[0] == "device":
+            return self._by_id[pid[1]]  # KeyError: a device outside the group
+        if pid[0] == "client":
+            return self._client
+        raise pickle.UnpicklingError(f"unknown persistent id {pid[0]!r}")
+
+
+def load_onto(
+    blob: bytes, in_tree: object, out_tree: object, written_for: Sequence[int],
+    devices: Sequence[jax.Device],
+) -> jax.stages.Compiled | None:
+    """A program ``serialize_executable.serialize`` wrote for the devices with ids
+    ``written_for`` (in group-rank order), loaded to run on ``devices`` instead: partition
+    ``i`` (group rank ``i``) runs on ``devices[i]``, so the process that owns ``devices[i]``
+    runs it, and XLA's collectives (gloo on CPU) take their peers from this assignment.
+
+    For programs whose code does not depend on which devices run them (the CPU platform; the
+    caller decides). ``jax.experimental.serialize_executable.deserialize_and_load`` cannot do
+    this: it looks the written device ids up among the new devices (``KeyError``), and with
+    the ids remapped the executable keeps the assignment it was compiled with.
+
+    None when this jax lacks the private calls or they fail (logged once: :func:`fell_back`);
+    the caller compiles then.
+    """
+    if _get_compile_options is None or _xc is None:
+        fell_back("load_onto")
+        return None
+    try:
+        unloaded, args_info_flat, no_kwargs = _OntoUnpickler(blob, written_for, devices).load()
+        return jax.stages.Compiled(
+            unloaded.load(), [], in_tree.unflatten(args_info_flat), out_tree, no_kwargs=no_kwargs
+        )
+    except Exception as err:  # noqa: BLE001 - whatever failed, compiling is the way
+        fell_back("load_onto", f"{type(err).__name__}: {err}")
+        return None

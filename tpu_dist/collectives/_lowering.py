@@ -10,13 +10,16 @@ touches its own block. Example, all_reduce of 3 floats on 2 ranks::
     body (per block)   psum(x, "x")
     global output (6,) = [s0 s1 s2 | s0 s1 s2]      s = a + b, each rank reads its block
 
-Programs are compiled once per :class:`ProgramKey` (op, reduce op, group
+Programs are built once per :class:`ProgramKey` (op, reduce op, group
 devices, block sizes, dtypes) and kept, in memory by the process's
 :class:`ProgramCache` (the runtime's, ``_runtime.get().programs``) and on disk for
-later processes (:mod:`tpu_dist.collectives._compile_cache`); :func:`compile_count`
-tells how many programs this process has built, so tests can check that a steady
-loop builds nothing new. The functions that build program bodies and lower them
-are pure: this module keeps no state of its own.
+later processes (:mod:`tpu_dist.collectives._compile_cache`). On CPU a program is
+compiled once per key *without* its devices: a group of the same size and layout
+loads the one another group compiled, onto its own devices (~2 ms instead of
+35-320 ms; ``_compile_cache``'s doc says why that is correct there and not on TPU).
+:func:`compile_count` tells how many programs this process has built, so tests can
+check that a steady loop builds nothing new. The functions that build program
+bodies and lower them are pure: this module keeps no state of its own.
 
 The algorithm is part of the key (:attr:`ProgramKey.algorithm`), chosen when the call is
 planned (:func:`tpu_dist.collectives._plan.choose_algorithm`: on the CPU platform,
@@ -94,8 +97,10 @@ class ProgramCache:
     """The compiled programs of one process, by key; owned by the runtime
     (``_runtime.get().programs``), or made on its own by a test.
 
-    Programs are built on first use (loaded from the on-disk compile cache, or compiled) and
-    kept for the life of the process; :attr:`compilations` counts them.
+    Programs are built on first use (on CPU loaded from a program compiled here for another
+    group of the same size and layout, else from the on-disk compile cache, else compiled)
+    and kept for the life of the process; :attr:`compilations` counts them, :attr:`origins`
+    says where each came from.
     """
 
     def __init__(self) -> None:
@@ -103,11 +108,21 @@ class ProgramCache:
         """Every program built so far. Tests may replace an entry (a program without its
         direct ``execute``, to take the public path)."""
         self.compilations = 0
-        """How many programs were built: compiled, or loaded from the on-disk cache."""
+        """How many programs were built: compiled, or loaded (another group's, or from the
+        on-disk cache)."""
+        self.origins: dict[ProgramKey, str] = {}
+        """Where each program came from: ``"compiled"`` (XLA compiled it here, or JAX's
+        persistent cache served it), ``"reused"`` (one this process built for another group of
+        the same size and layout, loaded onto this group's devices), ``"disk"`` (the on-disk
+        compile cache)."""
         self.platform: str | None = None
         """The running runtime's platform, set when JAX starts: only programs for its devices
         go to the on-disk cache (not those of compile-only devices)."""
         self._meshes: dict[tuple[jax.Device, ...], tuple[Mesh, NamedSharding]] = {}
+        self._serialized: dict[tuple, _compile_cache.Serialized] = {}
+        """CPU programs XLA compiled (never loaded ones: ``_compile_cache``'s doc), serialized,
+        by :func:`._compile_cache.placement_key`: the next group of the same size and layout
+        loads one (~2 ms) instead of compiling (35-320 ms)."""
         self._lock = threading.Lock()
         self._skip_reasons: set[str] = set()
 
@@ -173,17 +188,32 @@ class ProgramCache:
     def _load_or_compile(
         self, key: ProgramKey, devices: Sequence[jax.Device]
     ) -> jax.stages.Compiled:
-        """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled
-        and, when XLA really compiled it here (not JAX's persistent cache), stored there."""
+        """``key``'s program: loaded from one this process compiled for another group of the
+        same size and layout (CPU only, :func:`._compile_cache.placement_key`), else from the
+        on-disk cache (:mod:`._compile_cache`), else compiled and, when XLA really compiled it
+        here (not JAX's persistent cache), kept serialized for other groups and stored there."""
         platform = devices[0].platform if devices else ""
         cached = platform == self.platform
-        compiled = _compile_cache.load(key, devices, platform) if cached else None
+        placement = _compile_cache.placement_key(key, devices) if cached else None
+        kept = self._serialized.get(placement) if platform == "cpu" else None
+        compiled = None
+        if kept is not None:
+            compiled = _compile_cache.deserialize(kept, devices, len(key.blocks))
+            origin = "reused"
+        if compiled is None and cached:
+            found = _compile_cache.load(key, devices, platform)
+            if found is not None:
+                compiled, kept = found
+                origin = "disk"
         if compiled is None:
             lowered = lower(key, devices, self.mesh_for(devices))
             with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
                 compiled = lowered.compile()
+            origin = "compiled"
             if cached and watch.compiled:
-                _compile_cache.store(key, devices, platform, compiled)
+                kept = _compile_cache.serialize(key, devices, compiled)
+                if kept is not None:
+                    _compile_cache.store(key, devices, platform, kept)
             elif cached and watch.reason not in self._skip_reasons:
                 self._skip_reasons.add(watch.reason)
                 logger.info(
@@ -192,13 +222,17 @@ class ProgramCache:
                     "are stored.",
                     key.kind, watch.reason,
                 )
+        if kept is not None and platform == "cpu":
+            self._serialized.setdefault(placement, kept)
         self.compilations += 1
+        self.origins[key] = origin
         return compiled
 
 
 def compile_count() -> int:
-    """How many collective programs this process has built: compiled, or loaded compiled from
-    the on-disk compile cache (``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
+    """How many collective programs this process has built: compiled, or loaded compiled (on
+    CPU, a program this process compiled for another group of the same size; or from the
+    on-disk compile cache, ``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
     return _runtime.get().programs.compilations
 
 

@@ -1,0 +1,216 @@
+"""One compiled program serves every group of the same size and layout (CPU platform).
+
+XLA:CPU's code does not depend on which devices run it: a program compiled for group [0, 1]
+is loaded onto [0, 2] (or [1, 0]) with that group's device assignment, which decides which
+process runs which group rank and whom XLA's gloo collectives talk to. A wrong assignment
+shows in the data: a broadcast takes the wrong root, an all_gather or reduce_scatter puts
+blocks in the wrong places. So every check here is against numpy, with data that differs by
+rank and by position, on groups in reversed order over the same devices ([1, 0] after
+[0, 1]), and the program's origin is checked too (reuse must have happened).
+
+Tier (b): 3 ranks of "tpu" on CPU, one device and one process each; and one process with four
+CPU devices for the fallback when this jax lacks the private calls (compiled as before,
+logged once).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.harness import World
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Groups of 2 of a 3-rank world, in creation order; group rank i is global rank ranks[i].
+_GROUPS = [[0, 1], [0, 2], [1, 2], [1, 0], [2, 0]]
+_SMALL = 5  # an all_reduce this small is an all-to-all exchange on CPU
+_LARGE = 70_000  # 280 KB a rank: XLA's own all-reduce (ring)
+
+
+def _data(rank: int, n: int) -> np.ndarray:
+    """Rank ``rank``'s input of ``n`` floats, distinct by rank and position (exact in float32)."""
+    return (np.arange(n) * (rank + 1) + 100 * rank).astype(np.float32)
+
+
+def _expected(ranks: list[int], me: int) -> dict[str, list]:
+    """What global rank ``me`` gets from the collectives of :func:`_run_groups` on ``ranks``."""
+    size = len(ranks)
+    small = [_data(r, _SMALL) for r in ranks]
+    scatter_in = [_data(r, _SMALL * size) for r in ranks]
+    mine = ranks.index(me)
+    return {
+        "all_reduce": np.sum(small, axis=0).tolist(),
+        "all_reduce_large": np.sum([_data(r, _LARGE) for r in ranks], axis=0)[::997].tolist(),
+        "all_gather": [b.tolist() for b in small],
+        "reduce_scatter": np.sum(scatter_in, axis=0)[mine * _SMALL:(mine + 1) * _SMALL].tolist(),
+        "broadcast_first": small[0].tolist(),
+        "broadcast_last": small[-1].tolist(),
+    }
+
+
+def _run_groups(rank: int, world_size: int, groups: list[list[int]]) -> dict:
+    """Every rank creates every group (sort_ranks=False: group rank i is ranks[i]); the members
+    run an all_reduce (small and large), all_gather, reduce_scatter and two broadcasts (from
+    the first and the last group rank). Returns, per group, the results and where this rank's
+    programs for it came from."""
+    import jax
+    import torch
+    import torch.distributed as dist
+
+    from tpu_dist.collectives import _runtime
+
+    # JAX's persistent cache (on in the suite) would serve compiles, and programs it loads are
+    # never kept for reuse: off, so that this process really compiles.
+    jax.config.update("jax_enable_compilation_cache", False)
+    rt = _runtime.get()
+    out: dict = {}
+    for ranks in groups:
+        group = dist.new_group(ranks, sort_ranks=False)
+        if rank not in ranks:
+            continue
+        size = len(ranks)
+        got: dict = {}
+        t = torch.from_numpy(_data(rank, _SMALL))
+        dist.all_reduce(t, group=group)
+        got["all_reduce"] = t.tolist()
+        t = torch.from_numpy(_data(rank, _LARGE))
+        dist.all_reduce(t, group=group)
+        got["all_reduce_large"] = t[::997].tolist()
+        parts = [torch.empty(_SMALL) for _ in range(size)]
+        dist.all_gather(parts, torch.from_numpy(_data(rank, _SMALL)), group=group)
+        got["all_gather"] = [p.tolist() for p in parts]
+        t = torch.empty(_SMALL)
+        dist.reduce_scatter_tensor(t, torch.from_numpy(_data(rank, _SMALL * size)), group=group)
+        got["reduce_scatter"] = t.tolist()
+        for name, src in (("broadcast_first", ranks[0]), ("broadcast_last", ranks[-1])):
+            t = torch.from_numpy(_data(rank, _SMALL))
+            dist.broadcast(t, src=src, group=group)
+            got[name] = t.tolist()
+        ids = tuple(rt.devices[r].id for r in ranks)
+        origins = sorted(o for key, o in rt.programs.origins.items() if key.devices == ids)
+        out[json.dumps(ranks)] = {"results": got, "origins": origins}
+    return out
+
+
+def _check(results: list[dict], groups: list[list[int]]) -> dict[tuple[int, str], list[str]]:
+    """Asserts every rank's results against numpy; returns (rank, group) -> origins."""
+    origins = {}
+    for rank, by_group in enumerate(results):
+        for ranks in groups:
+            name = json.dumps(ranks)
+            if rank not in ranks:
+                assert name not in by_group
+                continue
+            got = by_group[name]
+            assert got["results"] == _expected(ranks, rank), (rank, ranks)
+            # 6 collectives, 6 programs (two broadcast roots: two keys).
+            assert len(got["origins"]) == 6, (rank, ranks, got["origins"])
+            origins[rank, name] = got["origins"]
+    return origins
+
+
+def _world(cache: str) -> World:
+    return World(3, "tpu", env={"TPU_DIST_PLATFORM": "cpu", "TPU_DIST_COMPILE_CACHE": cache},
+                 timeout=180)
+
+
+def test_groups_of_the_same_shape_reuse_one_compiled_program() -> None:
+    # The first group a rank is in compiles; every later group of 2 loads that rank's programs
+    # onto its own devices, [1, 0] and [2, 0] (the same devices as [0, 1] and [0, 2], group
+    # ranks swapped) included.
+    with _world("0") as world:
+        origins = _check(world.run(_run_groups, _GROUPS), _GROUPS)
+    first = {0: "[0, 1]", 1: "[0, 1]", 2: "[0, 2]"}
+    for (rank, name), seen in origins.items():
+        want = "compiled" if name == first[rank] else "reused"
+        assert seen == [want] * 6, (rank, name, seen)
+
+
+def test_entries_written_for_one_group_serve_another_in_a_later_world(tmp_path: Path) -> None:
+    # World 1 writes group [0, 1]'s programs; world 2 (new processes) runs [1, 2] and [2, 0]
+    # only, and compiles nothing: the entries are named by size and layout, not device ids.
+    cache = str(tmp_path / "xla")
+    with _world(cache) as world:
+        written = _check(world.run(_run_groups, [[0, 1]]), [[0, 1]])
+    assert set(map(tuple, written.values())) == {("compiled",) * 6}
+    entries = sorted(os.listdir(cache))
+    assert len(entries) == 6, entries  # ranks 0 and 1 wrote the same 6 names
+    later = [[1, 2], [2, 0]]
+    with _world(cache) as world:
+        origins = _check(world.run(_run_groups, later), later)
+    first = {0: "[2, 0]", 1: "[1, 2]", 2: "[1, 2]"}
+    for (rank, name), seen in origins.items():
+        # A rank's first group loads from disk; later ones may reuse what it loaded.
+        assert set(seen) <= ({"disk"} if name == first[rank] else {"disk", "reused"}), (
+            rank, name, seen)
+    assert sorted(os.listdir(cache)) == entries  # nothing new written
+
+
+_FALLBACK = textwrap.dedent(
+    """
+    import json, logging
+    import jax, numpy as np
+    from tpu_dist.collectives import _jaxlib, _lowering
+    from tpu_dist.collectives._lowering import ProgramKey
+
+    warnings = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            warnings.append(record.getMessage())
+
+    logging.getLogger("tpu_dist.collectives._jaxlib").addHandler(Collect())
+    devices = jax.devices("cpu")
+    programs = _lowering.ProgramCache()
+    programs.platform = "cpu"
+
+    def run(ids):
+        group = [devices[i] for i in ids]
+        key = ProgramKey("broadcast", tuple(ids), ((4, "int32"),), (0,), "xla")
+        blocks = [jax.device_put(np.arange(4, dtype=np.int32) + 10 * i, devices[i]) for i in ids]
+        _, sharding = programs.mesh_for(group)
+        x = jax.make_array_from_single_device_arrays((4 * len(ids),), sharding, blocks)
+        (y,) = programs.program(key, group).compiled(x)
+        shards = {s.device.id: np.asarray(s.data).tolist() for s in y.addressable_shards}
+        return [shards[i] for i in ids], programs.origins[key]
+
+    out = {"private": [run([0, 1]), run([3, 2])]}
+    _jaxlib._get_compile_options = None  # a jax without it
+    out["public"] = [run([2, 0]), run([1, 3])]
+    out["warnings"] = warnings
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_without_the_private_calls_each_group_compiles_and_it_is_logged_once() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TPU_DIST_COMPILE_CACHE": "0"}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT"):])
+
+    def rooted(ids: list[int]) -> list[list[int]]:  # every device gets the root's block
+        return [(np.arange(4) + 10 * ids[0]).tolist()] * len(ids)
+
+    assert out["private"] == [[rooted([0, 1]), "compiled"], [rooted([3, 2]), "reused"]]
+    assert out["public"] == [[rooted([2, 0]), "compiled"], [rooted([1, 3]), "compiled"]]
+    assert len(out["warnings"]) == 1 and "compiling the program for each group" in (
+        out["warnings"][0]), out["warnings"]
+
+
+@pytest.mark.parametrize("ranks", [[0, 1], [1, 0]])
+def test_expected_values_differ_by_group_order(ranks: list[int]) -> None:
+    # The reference itself tells the orders apart (else the checks above could not).
+    assert _expected(ranks, 0) != _expected(ranks[::-1], 0)
