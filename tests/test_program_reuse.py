@@ -9,8 +9,8 @@ rank and by position, on groups in reversed order over the same devices ([1, 0] 
 [0, 1]), and the program's origin is checked too (reuse must have happened).
 
 Tier (b): 3 ranks of "tpu" on CPU, one device and one process each; and one process with four
-CPU devices for the fallback when this jax lacks the private calls (compiled as before,
-logged once).
+CPU devices: a reused program's optimized HLO is what XLA compiles for its new devices, and
+without the private calls (a jax that lacks them) each group compiles, logged once.
 """
 
 from __future__ import annotations
@@ -155,8 +155,8 @@ def test_entries_written_for_one_group_serve_another_in_a_later_world(tmp_path: 
 
 
 _FALLBACK = textwrap.dedent(
-    """
-    import json, logging
+    r"""
+    import json, logging, re
     import jax, numpy as np
     from tpu_dist.collectives import _jaxlib, _lowering
     from tpu_dist.collectives._lowering import ProgramKey
@@ -183,6 +183,15 @@ _FALLBACK = textwrap.dedent(
         return [shards[i] for i in ids], programs.origins[key]
 
     out = {"private": [run([0, 1]), run([3, 2])]}
+
+    def code(compiled):  # the optimized HLO without source locations (stack frame numbering)
+        text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+        return [b for b in text.split("\n\n") if not re.match(r"File|Function|StackFrames", b)]
+
+    group = [devices[3], devices[2]]
+    key = ProgramKey("broadcast", (3, 2), ((4, "int32"),), (0,), "xla")
+    fresh = _lowering.lower(key, group).compile()
+    out["same_code"] = code(programs.program(key, group).compiled) == code(fresh)
     _jaxlib._get_compile_options = None  # a jax without it
     out["public"] = [run([2, 0]), run([1, 3])]
     out["warnings"] = warnings
@@ -191,7 +200,7 @@ _FALLBACK = textwrap.dedent(
 )
 
 
-def test_without_the_private_calls_each_group_compiles_and_it_is_logged_once() -> None:
+def test_reused_code_is_a_fresh_compile_and_without_private_calls_each_group_compiles() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TPU_DIST_COMPILE_CACHE": "0"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -205,6 +214,7 @@ def test_without_the_private_calls_each_group_compiles_and_it_is_logged_once() -
         return [(np.arange(4) + 10 * ids[0]).tolist()] * len(ids)
 
     assert out["private"] == [[rooted([0, 1]), "compiled"], [rooted([3, 2]), "reused"]]
+    assert out["same_code"]  # the reused program is what XLA compiles for [3, 2]
     assert out["public"] == [[rooted([2, 0]), "compiled"], [rooted([1, 3]), "compiled"]]
     assert len(out["warnings"]) == 1 and "compiling the program for each group" in (
         out["warnings"][0]), out["warnings"]
