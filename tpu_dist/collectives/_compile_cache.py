@@ -11,11 +11,11 @@ Why not JAX's own persistent cache (``JAX_COMPILATION_CACHE_DIR``)? On the CPU p
 helps rank 0 only: its key hashes the process's own CPU topology, which differs from rank to
 rank, and only JAX process 0 writes entries (measured with jax 0.10.2: a warm cache gave rank
 0 a 4 ms load and ranks 1-3 a full compile). The key here is the program's
-:class:`~tpu_dist.collectives._lowering.ProgramKey` and the group's size and layout
-(:func:`placement_key`: on CPU each group rank's process, numbered by first appearance, and
-device kind, not the device ids), the same on every rank of the group: the group's ranks, and
-the ranks of every group of the same size and layout, share one entry, whichever rank wrote it
-(each loads it onto its own group's devices).
+:class:`~tpu_dist.collectives._lowering.ProgramKey` and the group's :func:`placement_key` (on
+CPU: the key without its device ids, and each group rank's process, numbered by first
+appearance, and device kind), the same on every rank of the group: the group's ranks, and on
+CPU the ranks of every group of the same size and layout, share one entry, whichever rank
+wrote it (each loads it onto its own group's devices).
 
 **Only programs this process really compiled are stored.** XLA:CPU (jaxlib 0.10.2) cannot
 serialize an executable that was itself loaded from a serialized one: the copy keeps the
@@ -25,8 +25,9 @@ kernels' object code, and nothing fails until the copy is loaded again and run:
 collective, on one rank. ``lowered.compile()`` returns such a loaded executable when JAX's
 persistent cache serves it (or when ``jax_share_binary_between_hosts`` sends it from another
 process), so :func:`watch_compile` tells a real compilation from a load by JAX's own
-monitoring events, and :func:`store` is only called for real ones. When it cannot tell (a
-JAX that no longer reports those events), nothing is stored: the cache is then off, not wrong.
+monitoring events, and only real ones are serialized (:func:`serialize`), kept and stored.
+When it cannot tell (a JAX that no longer reports those events), nothing is stored: the cache
+is then off, not wrong.
 
 One program serves every group of the same size and layout on CPU. XLA:CPU's code does not
 depend on which devices run it: its collectives name group ranks (partitions), and the device
@@ -391,8 +392,8 @@ def load(
 def store(
     key: ProgramKey, devices: Sequence[jax.Device], platform: str, serialized: Serialized
 ) -> None:
-    """Put ``key``'s program over ``devices``, :func:`serialize` d, in the cache (when on).
-    Failures only warn: the program runs all the same."""
+    """Put ``key``'s program over ``devices``, as :func:`serialize` gave it, in the cache (when
+    on). Failures only warn: the program runs all the same."""
     root = directory(platform)
     if root is None:
         return
