@@ -8,13 +8,14 @@ blocks in the wrong places. So every check here is against numpy, with data that
 rank and by position, on groups in reversed order over the same devices ([1, 0] after
 [0, 1]), and the program's origin is checked too (reuse must have happened).
 
-Tier (b): 3 ranks of "tpu" on CPU, one device and one process each; and one process with four
+Tier (a): which groups share a program (fake devices). Tier (b): 3 ranks of "tpu" on CPU, one device and one process each; and one process with four
 CPU devices: a reused program's optimized HLO is what XLA compiles for its new devices, and
 without the private calls (a jax that lacks them) each group compiles, logged once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -26,6 +27,8 @@ import numpy as np
 import pytest
 
 from tests.harness import World
+from tpu_dist.collectives import ProgramKey
+from tpu_dist.collectives._compile_cache import placement_key
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +99,9 @@ def _run_groups(rank: int, world_size: int, groups: list[list[int]]) -> dict:
             got[name] = t.tolist()
         ids = tuple(rt.devices[r].id for r in ranks)
         origins = sorted(o for key, o in rt.programs.origins.items() if key.devices == ids)
-        out[json.dumps(ranks)] = {"results": got, "origins": origins}
+        # Loaded programs too start through the executable's own execute (E14's fast path).
+        fast = all(p.execute is not None for k, p in rt.programs.by_key.items() if k.devices == ids)
+        out[json.dumps(ranks)] = {"results": got, "origins": origins, "fast": fast}
     return out
 
 
@@ -111,6 +116,7 @@ def _check(results: list[dict], groups: list[list[int]]) -> dict[tuple[int, str]
                 continue
             got = by_group[name]
             assert got["results"] == _expected(ranks, rank), (rank, ranks)
+            assert got["fast"], (rank, ranks)
             # 6 collectives, 6 programs (two broadcast roots: two keys).
             assert len(got["origins"]) == 6, (rank, ranks, got["origins"])
             origins[rank, name] = got["origins"]
@@ -218,6 +224,30 @@ def test_reused_code_is_a_fresh_compile_and_without_private_calls_each_group_com
     assert out["public"] == [[rooted([2, 0]), "compiled"], [rooted([1, 3]), "compiled"]]
     assert len(out["warnings"]) == 1 and "compiling the program for each group" in (
         out["warnings"][0]), out["warnings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:  # what placement_key reads of a jax.Device
+    id: int
+    process_index: int
+    platform: str = "cpu"
+    device_kind: str = "cpu"
+
+
+def test_placement_ignores_device_ids_on_cpu_only() -> None:
+    def place(ids: list[int], processes: list[int], platform: str = "cpu") -> tuple:
+        devices = [_Device(i, p, platform, platform) for i, p in zip(ids, processes)]
+        key = ProgramKey("allreduce", tuple(ids), ((8, "float32"),), ("SUM",), "exchange")
+        return placement_key(key, devices)
+
+    # One device per process: any two ranks, either order, have the same layout.
+    assert place([0, 1], [0, 1]) == place([3, 1], [3, 1]) == place([1, 0], [1, 0])
+    # Another size, or two devices of one process against devices of two: another program.
+    assert place([0, 1], [0, 1]) != place([0, 1, 2], [0, 1, 2])
+    assert place([0, 1], [0, 0]) != place([0, 1], [0, 1])
+    assert place([0, 1, 2], [0, 0, 1]) != place([0, 1, 2], [0, 1, 1])
+    # TPU: each device set its own (the code may depend on the chips and links).
+    assert place([0, 1], [0, 1], "tpu") != place([2, 3], [2, 3], "tpu")
 
 
 @pytest.mark.parametrize("ranks", [[0, 1], [1, 0]])
