@@ -8,9 +8,10 @@ blocks in the wrong places. So every check here is against numpy, with data that
 rank and by position, on groups in reversed order over the same devices ([1, 0] after
 [0, 1]), and the program's origin is checked too (reuse must have happened).
 
-Tier (a): which groups share a program (fake devices). Tier (b): 3 ranks of "tpu" on CPU, one device and one process each; and one process with four
-CPU devices: a reused program's optimized HLO is what XLA compiles for its new devices, and
-without the private calls (a jax that lacks them) each group compiles, logged once.
+Tier (a): which groups share a program (fake devices). Tier (b): 3 ranks of "tpu" on CPU, one
+device and one process each; and one process with four CPU devices: a reused program's
+optimized HLO is what XLA compiles for its new devices, and without the private calls (a jax
+that lacks them) each group compiles, logged once.
 """
 
 from __future__ import annotations
