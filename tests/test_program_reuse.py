@@ -147,7 +147,8 @@ def test_entries_written_for_one_group_serve_another_in_a_later_world(tmp_path: 
     cache = str(tmp_path / "xla")
     with _world(cache) as world:
         written = _check(world.run(_run_groups, [[0, 1]]), [[0, 1]])
-    assert set(map(tuple, written.values())) == {("compiled",) * 6}
+    # Each program compiled by rank 0 or 1; the slower of the two may find the other's entry.
+    assert all(set(seen) <= {"compiled", "disk"} for seen in written.values()), written
     entries = sorted(os.listdir(cache))
     assert len(entries) == 6, entries  # ranks 0 and 1 wrote the same 6 names
     later = [[1, 2], [2, 0]]
