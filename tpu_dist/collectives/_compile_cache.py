@@ -26,6 +26,15 @@ process), so :func:`watch_compile` tells a real compilation from a load by JAX's
 monitoring events, and :func:`store` is only called for real ones. When it cannot tell (a
 JAX that no longer reports those events), nothing is stored: the cache is then off, not wrong.
 
+**One compilation per host.** The ranks of a group on one host (every rank, under CPU
+emulation) all need a new program at the same moment; without coordination each compiles it,
+so four ranks on two cores take about twice one compilation and four times its CPU. So the
+first rank to need a program takes its *compile turn* (:func:`compile_turn`, an ``flock`` on
+one of :data:`LOCK_STRIPES` lock files, which the kernel releases if the process dies),
+compiles and stores it; the others wait for the turn to end and load the stored program. A
+waiter that finds nothing stored (the compiler was not allowed to store, see below) compiles
+it itself, without holding the turn, so compilations never queue behind each other.
+
 A program is bound to its devices: an executable compiled for devices (0, 1) does not run on
 (2, 3) (XLA: "local device count is 0"), so ``new_group([2, 3])`` compiles its own programs
 even when ``new_group([0, 1])`` has the same shapes; the cache then serves each group's
@@ -56,11 +65,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +90,12 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 1 << 30
 """The directory's size cap: past it, the least recently used entries are removed (checked once
 a process, at its first write)."""
+LOCK_STRIPES = 256
+"""How many lock files (``.locks/000`` .. ``.locks/255``) the compile turns of all programs share:
+two programs on one stripe only wait for each other, they never compile wrongly."""
+TURN_WAIT_SECONDS = 120.0
+"""The longest a rank waits for another process's compile turn before compiling the program
+itself (a CPU collective compiles in well under a second; the holder dying ends its turn)."""
 _MAGIC = b"tpu_dist-xla-entry-2\n"
 """Every entry starts with this line, then the SHA-256 of the rest, then the serialized program."""
 _DIGEST_BYTES = 32
@@ -244,6 +261,60 @@ def _judge(seen: set[str]) -> tuple[bool, str]:
             "so a load cannot be told from a compilation"
         )
     return True, ""
+
+
+# -- one compilation per host ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def compile_turn(name: str, root: Path) -> Iterator[bool]:
+    """Around building the program of entry ``name`` in ``root``: load it, and compile (and
+    store) it only if that finds nothing.
+
+    Yields True when this process holds the compile turn (others wait until the block ends),
+    False when another process held it and its turn has ended (the block does not hold it, so
+    a compilation there, when the other process stored nothing, does not make others wait).
+    A turn that cannot be taken (the lock file cannot be opened) or is held longer than
+    :data:`TURN_WAIT_SECONDS` yields True without holding it: compiling is always allowed,
+    the turn only saves work.
+    """
+    locks = root / ".locks"
+    try:
+        locks.mkdir(mode=0o700, exist_ok=True)
+        stripe = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % LOCK_STRIPES
+        fd = os.open(locks / f"{stripe:03d}", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        _warn_once(f"lock:{root}", "tpu_dist: cannot open a compile lock in %s (%s); each "
+                   "process compiles its own programs.", locks, err)
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            yield True  # the turn is ours until the caller has stored the program
+            return
+        deadline = time.monotonic() + TURN_WAIT_SECONDS
+        pause = 0.001
+        while True:
+            time.sleep(pause)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break  # the other process's turn ended
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    _warn_once("turn-timeout", "tpu_dist: another process held the compile "
+                               "turn for %s longer than %.0f s; compiling here instead.",
+                               name, TURN_WAIT_SECONDS)
+                    yield True
+                    return
+                pause = min(pause * 2, 0.01)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        yield False
+    finally:
+        os.close(fd)  # releases the turn if still held
 
 
 # -- entries -----------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ and share programs across dtypes of one width.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -174,25 +175,44 @@ class ProgramCache:
         self, key: ProgramKey, devices: Sequence[jax.Device]
     ) -> jax.stages.Compiled:
         """``key``'s program from the on-disk cache (:mod:`._compile_cache`), else compiled
-        and, when XLA really compiled it here (not JAX's persistent cache), stored there."""
+        and, when XLA really compiled it here (not JAX's persistent cache), stored there.
+
+        With the cache on, one process of the host compiles a new program while the others
+        wait for its compile turn (:func:`._compile_cache.compile_turn`) and load it."""
         platform = devices[0].platform if devices else ""
-        cached = platform == self.platform
-        compiled = _compile_cache.load(key, devices, platform) if cached else None
+        root = _compile_cache.directory(platform) if platform == self.platform else None
+        compiled = _compile_cache.load(key, devices, platform) if root is not None else None
         if compiled is None:
-            lowered = lower(key, devices, self.mesh_for(devices))
-            with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
-                compiled = lowered.compile()
-            if cached and watch.compiled:
-                _compile_cache.store(key, devices, platform, compiled)
-            elif cached and watch.reason not in self._skip_reasons:
-                self._skip_reasons.add(watch.reason)
-                logger.info(
-                    "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU "
-                    "cannot serialize a loaded program whole, so only programs compiled here "
-                    "are stored.",
-                    key.kind, watch.reason,
-                )
+            turn = (
+                contextlib.nullcontext() if root is None
+                else _compile_cache.compile_turn(_compile_cache.entry_name(key, devices), root)
+            )
+            with turn:  # ours, or another process's that has ended: it may have stored it
+                if root is not None:
+                    compiled = _compile_cache.load(key, devices, platform)
+                if compiled is None:  # one call site: the program's source metadata is the same
+                    compiled = self._compile(key, devices, platform if root is not None else None)
         self.compilations += 1
+        return compiled
+
+    def _compile(
+        self, key: ProgramKey, devices: Sequence[jax.Device], platform: str | None
+    ) -> jax.stages.Compiled:
+        """Lower and compile ``key``'s program; store it in ``platform``'s cache (None: do
+        not) when XLA really compiled it here."""
+        lowered = lower(key, devices, self.mesh_for(devices))
+        with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
+            compiled = lowered.compile()
+        if platform is not None and watch.compiled:
+            _compile_cache.store(key, devices, platform, compiled)
+        elif platform is not None and watch.reason not in self._skip_reasons:
+            self._skip_reasons.add(watch.reason)
+            logger.info(
+                "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU "
+                "cannot serialize a loaded program whole, so only programs compiled here "
+                "are stored.",
+                key.kind, watch.reason,
+            )
         return compiled
 
 
