@@ -21,9 +21,12 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import torch
+import torch.distributed as dist
 import pytest
 
 from tpu_dist import _settings
+from tests.harness import World
 from tpu_dist.collectives import _compile_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,3 +280,55 @@ def test_every_field_of_the_program_key_names_its_own_entry() -> None:
     names = out["names"]
     assert len(names) == 6 and len(set(names)) == 6, names
     assert out["other_devices"] == names[:1]
+
+
+# -- tier (c): ranks of one world share the host's compilations ----------------------------
+
+
+def _new_programs_counting_compilations(rank: int, world_size: int) -> dict:
+    """Three collectives of shapes no earlier test used; what XLA compiled in this process
+    (JAX's own compile event, independent of tpu_dist) and the results."""
+    import jax
+
+    compiled: list[float] = []
+
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiled.append(duration)
+
+    # JAX's persistent cache (the suite's, read by the forkserver's JAX) would hand a rank a
+    # program compiled in an earlier session, which is never stored (see above): off here.
+    was_on = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        x = torch.arange(13, dtype=torch.float64) * (rank + 1)
+        dist.all_reduce(x)
+        gathered = torch.empty(17 * world_size, dtype=torch.int16)
+        dist.all_gather_into_tensor(gathered, torch.full((17,), rank, dtype=torch.int16))
+        scattered = torch.empty(3, dtype=torch.float32)
+        dist.reduce_scatter_tensor(scattered, torch.arange(3.0 * world_size) + rank)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+        jax.config.update("jax_enable_compilation_cache", was_on)
+    return {
+        "compiled": len(compiled), "x": x.tolist(), "gathered": gathered.tolist(),
+        "scattered": scattered.tolist(),
+    }
+
+
+def test_one_rank_of_the_host_compiles_a_new_program_the_others_load_it(tmp_path: Path) -> None:
+    cache = tmp_path / "xla"
+    env = {"TPU_DIST_COMPILE_CACHE": str(cache)}
+    with World(3, "tpu", env=env) as world:
+        results = world.run(_new_programs_counting_compilations)
+    n = 3
+    ranks = np.arange(n)
+    for rank, got in enumerate(results):
+        assert got["x"] == (np.arange(13, dtype=np.float64) * (ranks + 1).sum()).tolist()
+        assert got["gathered"] == np.repeat(ranks, 17).tolist()
+        whole = sum(np.arange(3.0 * n) + r for r in ranks)
+        assert got["scattered"] == whole[3 * rank:3 * rank + 3].tolist()
+    # Each of the three programs was compiled by one rank and loaded by the two others.
+    assert sum(got["compiled"] for got in results) == 3, results
+    assert len(_entries(cache)) == 3

@@ -3,7 +3,8 @@ beside gloo (issue 16, items 3, 4 and 8).
 
 Each test runs ``tests/launch_worker.py`` in a fault mode with two workers on both backends
 (the slow one on "tpu" only) and checks what the launcher reports: the failing rank and its own
-exit code as the root cause, a correct job's exit 0, every worker gone. Timings are not asserted
+exit code as the root cause, a correct job's exit 0, every worker gone. The launches that only
+wait for their fault start together (the ``faults`` fixture); timings are not asserted
 (the machine is shared); ``benchmarks/README.md`` (E23) has the measured ones.
 """
 
@@ -16,48 +17,71 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_worker import WORKER, finish, pid_alive, run_launcher, start_launcher
+from tests.launch_worker import WORKER, finish, pid_alive, start_launcher
 
 BACKENDS = ["gloo", "tpu"]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_rank_that_exits_early_is_the_root_cause_with_its_code(backend: str) -> None:
-    # Rank 1 exits 7 right after init; rank 0 waits in a barrier it never joins.
-    code, _, err = run_launcher(
-        ["--nproc-per-node", "2", WORKER, "exit-early", "--exit-code", "7", "--backend", backend]
+def _late_finish_sleep() -> float:
+    # Longer than JAX's shutdown timeout (JAX's shutdown barrier used to give up after it, 60 s
+    # then, and abort both ranks).
+    from tpu_dist.collectives._runtime import JAX_SHUTDOWN_TIMEOUT_S
+
+    return JAX_SHUTDOWN_TIMEOUT_S + 5
+
+
+def _fault_launches() -> dict[str, tuple[list[str], dict[str, str] | None]]:
+    """The launches of the tests below: name -> (tpu-launch arguments, extra environment)."""
+    launches: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+    for backend in BACKENDS:
+        # Rank 1 exits 7 right after init; rank 0 waits in a barrier it never joins.
+        launches[f"exit-early-{backend}"] = (
+            ["--nproc-per-node", "2", WORKER, "exit-early", "--exit-code", "7",
+             "--backend", backend], None,
+        )
+        # Group timeout 3 s; rank 1 stays away from the second all_reduce, rank 0 catches the
+        # timeout's error and exits 3 (on "tpu" under the raise policy).
+        launches[f"timeout-exit-{backend}"] = (
+            ["--nproc-per-node", "2", WORKER, "timeout-exit", "--timeout", "3", "--sleep", "30",
+             "--exit-code", "3", "--backend", backend],
+            {"TPU_DIST_TIMEOUT_POLICY": "raise"},
+        )
+    # After destroy_process_group(), rank 1 works alone for longer than JAX's shutdown timeout.
+    # gloo needs no check: it has no such barrier.
+    launches["late-finish-tpu"] = (
+        ["--nproc-per-node", "2", WORKER, "late-finish", "--sleep", str(_late_finish_sleep()),
+         "--backend", "tpu"], None,
     )
+    return launches
+
+
+@pytest.fixture(scope="module")
+def faults() -> dict[str, tuple[int, str, str]]:
+    """Every launch of :func:`_fault_launches`, started at once (most of each is waiting: for a
+    timeout, a sleeping rank, a barrier): name -> (exit code, stdout, stderr)."""
+    procs = {name: start_launcher(args, env=env) for name, (args, env) in _fault_launches().items()}
+    return {name: finish(proc, timeout=240) for name, proc in procs.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_that_exits_early_is_the_root_cause_with_its_code(faults: dict, backend: str) -> None:
+    code, _, err = faults[f"exit-early-{backend}"]
     assert code == 1, err
     assert "tpu-launch: worker failed: node 0: rank 1 (local rank 1" in err, err
     assert "exited with code 7" in err, err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_caught_timeout_then_exit_keeps_the_exit_code(backend: str) -> None:
-    # Group timeout 3 s; rank 1 stays away from the second all_reduce, rank 0 catches the
-    # timeout's error and exits 3 (on "tpu" under the raise policy).
-    code, out, err = run_launcher(
-        ["--nproc-per-node", "2", WORKER, "timeout-exit", "--timeout", "3", "--sleep", "30",
-         "--exit-code", "3", "--backend", backend],
-        env={"TPU_DIST_TIMEOUT_POLICY": "raise"},
-    )
+def test_caught_timeout_then_exit_keeps_the_exit_code(faults: dict, backend: str) -> None:
+    code, out, err = faults[f"timeout-exit-{backend}"]
     assert code == 1, err
     assert "CAUGHT rank=0" in out + err
     assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
     assert "exited with code 3" in err, err
 
 
-def test_ranks_that_finish_further_apart_than_jaxs_shutdown_timeout_exit_0() -> None:
-    # After destroy_process_group(), rank 1 works alone for longer than JAX's shutdown timeout
-    # (JAX's shutdown barrier used to give up after it, 60 s then, and abort both). gloo needs
-    # no check: it has no such barrier.
-    from tpu_dist.collectives._runtime import JAX_SHUTDOWN_TIMEOUT_S
-
-    sleep = JAX_SHUTDOWN_TIMEOUT_S + 5
-    code, out, err = run_launcher(
-        ["--nproc-per-node", "2", WORKER, "late-finish", "--sleep", str(sleep), "--backend", "tpu"],
-        timeout=180 + sleep,
-    )
+def test_ranks_that_finish_further_apart_than_jaxs_shutdown_timeout_exit_0(faults: dict) -> None:
+    code, out, err = faults["late-finish-tpu"]
     assert code == 0, err
     assert "[rank0]:DONE rank=0" in out and "[rank1]:DONE rank=1" in out
 

@@ -4,7 +4,8 @@ The restart test's worker fails once (a marker file records the first attempt, a
 would), then all-reduces over the c10d backend given by ``BACKENDS``. On "tpu" the restarted
 attempt must not read the JAX coordinator address of the failed one (elastic keeps its store
 across restarts: rank 0 of the restarted attempt starts 2 s late, so its peers look for the
-address first), so it runs three times.
+address first), so it runs three times. The restarting launches start together (the
+``restarts`` fixture): most of each is waiting.
 """
 
 from __future__ import annotations
@@ -15,34 +16,41 @@ from pathlib import Path
 
 import pytest
 
-from tests.launch_worker import WORKER, finish, free_port, pid_alive, run_launcher, start_launcher
+from tests.launch_worker import WORKER, finish, free_port, pid_alive, start_launcher
 
-@pytest.mark.parametrize(
-    ("backend", "run"), [("gloo", 0)] + [("tpu", run) for run in range(3)]
-)
-def test_max_restarts_resumes_a_job_that_failed_once(
-    tmp_path: Path, backend: str, run: int
-) -> None:
-    marker = tmp_path / "checkpoint"
-    code, out, err = run_launcher(
-        [
-            "--nproc-per-node",
-            "2",
-            "--max-restarts",
-            "1",
-            WORKER,
-            "fail-once",
-            "--marker",
-            str(marker),
+_RESTART_CASES = [("gloo", 0)] + [("tpu", run) for run in range(3)]
+
+
+@pytest.fixture(scope="module")
+def restarts(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The restarting launches of the tests below, started at once (most of each is waiting:
+    a rank's delay, elastic's restart): name -> (exit code, stdout, stderr, marker path)."""
+    tmp = tmp_path_factory.mktemp("restarts")
+    launches = {}
+    for backend, run in _RESTART_CASES:
+        marker = tmp / f"checkpoint-{backend}-{run}"
+        launches[f"fail-once-{backend}-{run}"] = (marker, [
+            "--nproc-per-node", "2", "--max-restarts", "1",
+            WORKER, "fail-once", "--marker", str(marker),
             # On "tpu", attempt 0 initialises the group before rank 1 fails, and rank 0 of
             # attempt 1 starts 2 s late. gloo (torch's own keys are not per attempt either)
             # then fails its restart too (connectFullMesh: Connection refused), so gloo runs
             # the plain case: attempt 0's peers never reach init_process_group.
             *(["--after-init", "--delay", "2"] if backend == "tpu" else []),
-            "--backend",
-            backend,
-        ]
-    )
+            "--backend", backend,
+        ])
+    ckpt = tmp / "ckpt.pt"
+    launches["steps"] = (ckpt, [
+        "--nproc-per-node", "2", "--max-restarts", "1", WORKER, "steps", "--steps", "6",
+        "--fail-step", "3", "--marker", str(ckpt), "--backend", "tpu",
+    ])
+    procs = {name: (marker, start_launcher(args)) for name, (marker, args) in launches.items()}
+    return {name: (*finish(proc, timeout=240), marker) for name, (marker, proc) in procs.items()}
+
+
+@pytest.mark.parametrize(("backend", "run"), _RESTART_CASES)
+def test_max_restarts_resumes_a_job_that_failed_once(restarts: dict, backend: str, run: int) -> None:
+    code, out, err, marker = restarts[f"fail-once-{backend}-{run}"]
     assert code == 0, err
     assert marker.exists()
     assert "[rank1]:rank 1: failing on purpose (attempt 0)" in out
@@ -50,20 +58,15 @@ def test_max_restarts_resumes_a_job_that_failed_once(
         assert f"[rank{rank}]:RESUMED rank={rank} restart=1" in out
 
 
-def test_restarted_job_resumes_from_its_checkpoint_with_the_right_result(tmp_path: Path) -> None:
+def test_restarted_job_resumes_from_its_checkpoint_with_the_right_result(restarts: dict) -> None:
     """Rank 1 fails after step 3 of 6 (the group working, rank 0 in the next all_reduce); the
     restarted job loads rank 0's checkpoint and finishes. Its state must equal an uninterrupted
     run's, computed here with numpy (float32, the same operations). "tpu" only: gloo cannot
     restart once its group worked (attempt 1 reads attempt 0's gloo addresses from elastic's
     store: ``connectFullMesh ... Connection refused``, the test fails at its time limit)."""
-    backend = "tpu"
     import numpy as np
 
-    ckpt = tmp_path / "ckpt.pt"
-    code, out, err = run_launcher(
-        ["--nproc-per-node", "2", "--max-restarts", "1", WORKER, "steps", "--steps", "6",
-         "--fail-step", "3", "--marker", str(ckpt), "--backend", backend]
-    )
+    code, out, err, _ = restarts["steps"]
     assert code == 0, err
     assert "[rank1]:rank 1: failing on purpose after step 3" in out
     x = np.array([1, 2, 3, 4], dtype=np.float32)

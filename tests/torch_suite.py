@@ -108,6 +108,15 @@ GLOO_NAMED = {
     "test_grads_same_across_ranks_with_no_sync": "Test requires backend {backend} to be one of "
         "{{'gloo'}}",
     "test_scatter_object_list": "Test requires backend {backend} to be one of {{'gloo'}}",
+    # all_reduce_coalesced, every op, on the world, a group and the full group
+    **{
+        f"test_all_reduce_coalesced_{group}{op}":
+            "Test requires backend {backend} to be one of {{'gloo'}}"
+        for group in ("", "group_", "full_group_") for op in ("sum", "product", "min", "max")
+    },
+    # batch_isend_irecv of CPU tensors, with and without tags
+    "test_batch_isend_irecv_gloo": "GLOO Batch Send Recv CPU",
+    "test_batch_isend_irecv_gloo_tags": "GLOO Batch Send Recv CPU",
 }
 
 

@@ -29,6 +29,15 @@ monitoring events, and only real ones are serialized (:func:`serialize`), kept a
 When it cannot tell (a JAX that no longer reports those events), nothing is stored: the cache
 is then off, not wrong.
 
+**One compilation per host.** The ranks of a group on one host (every rank, under CPU
+emulation) all need a new program at the same moment; without coordination each compiles it,
+so four ranks on two cores take about twice one compilation and four times its CPU. So the
+first rank to need a program takes its *compile turn* (:func:`compile_turn`, an ``flock`` on
+one of :data:`LOCK_STRIPES` lock files, which the kernel releases if the process dies),
+compiles and stores it; the others wait for the turn to end and load the stored program. A
+waiter that finds nothing stored (the compiler was not allowed to store, see below) compiles
+it itself, without holding the turn, so compilations never queue behind each other.
+
 One program serves every group of the same size and layout on CPU. XLA:CPU's code does not
 depend on which devices run it: its collectives name group ranks (partitions), and the device
 assignment it is loaded with maps them to devices, which decides both which process runs
@@ -36,7 +45,8 @@ which group rank and who its gloo peers are. So an entry written for ``new_group
 loaded for ``new_group([2, 3])`` (or ``[1, 0]``) with that group's assignment
 (:func:`deserialize`, through :func:`tpu_dist.collectives._jaxlib.load_onto`), and within a
 process :class:`~tpu_dist.collectives._lowering.ProgramCache` does the same with the programs
-it compiled, without the disk (benchmarks/README.md, E30). JAX's public loader cannot: it
+it compiled, without the disk (benchmarks/README.md, E30); a compile turn is per entry, so it
+covers every group of the same size and layout too. JAX's public loader cannot: it
 looks the written device ids up among the new devices (``KeyError``), and with the ids
 remapped the executable keeps its old assignment (XLA: "replica is assigned to device cpu:0").
 On TPU the compiled code may depend on the physical devices and the ICI links between them,
@@ -67,11 +77,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import logging
 import os
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +103,12 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 1 << 30
 """The directory's size cap: past it, the least recently used entries are removed (checked once
 a process, at its first write)."""
+LOCK_STRIPES = 256
+"""How many lock files (``.locks/000`` .. ``.locks/255``) the compile turns of all programs share:
+two programs on one stripe only wait for each other, they never compile wrongly."""
+TURN_WAIT_SECONDS = 120.0
+"""The longest a rank waits for another process's compile turn before compiling the program
+itself (a CPU collective compiles in well under a second; the holder dying ends its turn)."""
 _MAGIC = b"tpu_dist-xla-entry-3\n"
 """Every entry starts with this line, then the SHA-256 of the rest, then the device ids the
 program was compiled for (``0,2``) on a line, then the serialized program."""
@@ -281,6 +299,60 @@ def _judge(seen: set[str]) -> tuple[bool, str]:
             "so a load cannot be told from a compilation"
         )
     return True, ""
+
+
+# -- one compilation per host ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def compile_turn(name: str, root: Path) -> Iterator[bool]:
+    """Around building the program of entry ``name`` in ``root``: load it, and compile (and
+    store) it only if that finds nothing.
+
+    Yields True when this process holds the compile turn (others wait until the block ends),
+    False when another process held it and its turn has ended (the block does not hold it, so
+    a compilation there, when the other process stored nothing, does not make others wait).
+    A turn that cannot be taken (the lock file cannot be opened) or is held longer than
+    :data:`TURN_WAIT_SECONDS` yields True without holding it: compiling is always allowed,
+    the turn only saves work.
+    """
+    locks = root / ".locks"
+    try:
+        locks.mkdir(mode=0o700, exist_ok=True)
+        stripe = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % LOCK_STRIPES
+        fd = os.open(locks / f"{stripe:03d}", os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as err:
+        _warn_once(f"lock:{root}", "tpu_dist: cannot open a compile lock in %s (%s); each "
+                   "process compiles its own programs.", locks, err)
+        yield True
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass
+        else:
+            yield True  # the turn is ours until the caller has stored the program
+            return
+        deadline = time.monotonic() + TURN_WAIT_SECONDS
+        pause = 0.001
+        while True:
+            time.sleep(pause)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break  # the other process's turn ended
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    _warn_once("turn-timeout", "tpu_dist: another process held the compile "
+                               "turn for %s longer than %.0f s; compiling here instead.",
+                               name, TURN_WAIT_SECONDS)
+                    yield True
+                    return
+                pause = min(pause * 2, 0.01)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        yield False
+    finally:
+        os.close(fd)  # releases the turn if still held
 
 
 # -- entries -----------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ and share programs across dtypes of one width.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -191,43 +192,63 @@ class ProgramCache:
         """``key``'s program: loaded from one this process compiled for another group of the
         same size and layout (CPU only, :func:`._compile_cache.placement_key`), else from the
         on-disk cache (:mod:`._compile_cache`), else compiled and, when XLA really compiled it
-        here (not JAX's persistent cache), kept serialized for other groups and stored there."""
+        here (not JAX's persistent cache), kept serialized for other groups and stored there.
+
+        With the cache on, one process of the host compiles a new program while the others
+        wait for its compile turn (:func:`._compile_cache.compile_turn`) and load it."""
         platform = devices[0].platform if devices else ""
         cached = platform == self.platform
+        root = _compile_cache.directory(platform) if cached else None
         placement = _compile_cache.placement_key(key, devices) if cached else None
         kept = self._serialized.get(placement) if platform == "cpu" else None
-        compiled = None
+        compiled, origin = None, "reused"
         if kept is not None:
             compiled = _compile_cache.deserialize(kept, devices, len(key.blocks))
-            origin = "reused"
-        if compiled is None and cached:
-            found = _compile_cache.load(key, devices, platform)
-            if found is not None:
-                compiled, kept = found
-                origin = "disk"
         if compiled is None:
-            lowered = lower(key, devices, self.mesh_for(devices))
-            with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
-                compiled = lowered.compile()
-            origin = "compiled"
-            if cached and watch.compiled:
-                kept = _compile_cache.serialize(key, devices, compiled)
-                if kept is not None:
-                    _compile_cache.store(key, devices, platform, kept)
-            elif cached and watch.reason not in self._skip_reasons:
-                self._skip_reasons.add(watch.reason)
-                logger.info(
-                    "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU "
-                    "cannot serialize a loaded program whole, so only programs compiled here "
-                    "are stored.",
-                    key.kind, watch.reason,
+            found = _compile_cache.load(key, devices, platform) if root is not None else None
+            if found is None:
+                turn = (
+                    contextlib.nullcontext() if root is None
+                    else _compile_cache.compile_turn(_compile_cache.entry_name(key, devices), root)
                 )
+                with turn:  # ours, or another process's that has ended: it may have stored it
+                    if root is not None:
+                        found = _compile_cache.load(key, devices, platform)
+                    if found is None:  # one call site: the program's source metadata is the same
+                        compiled, kept = self._compile(key, devices, cached, root is not None)
+                        origin = "compiled"
+            if found is not None:
+                (compiled, kept), origin = found, "disk"
         if kept is not None and platform == "cpu":
             self._serialized.setdefault(placement, kept)
         self.compilations += 1
         self.origins[key] = origin
         return compiled
 
+    def _compile(
+        self, key: ProgramKey, devices: Sequence[jax.Device], keep: bool, store: bool
+    ) -> tuple[jax.stages.Compiled, _compile_cache.Serialized | None]:
+        """Lower and compile ``key``'s program. When XLA really compiled it here and ``keep``
+        (the runtime's own platform), also return it serialized, and with ``store`` put it in
+        the on-disk cache."""
+        lowered = lower(key, devices, self.mesh_for(devices))
+        with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
+            compiled = lowered.compile()
+        kept = None
+        platform = devices[0].platform
+        if keep and watch.compiled:
+            kept = _compile_cache.serialize(key, devices, compiled)
+            if kept is not None and store:
+                _compile_cache.store(key, devices, platform, kept)
+        elif store and watch.reason not in self._skip_reasons:
+            self._skip_reasons.add(watch.reason)
+            logger.info(
+                "tpu_dist: a %s program is not put in the compile cache: %s. XLA:CPU "
+                "cannot serialize a loaded program whole, so only programs compiled here "
+                "are stored.",
+                key.kind, watch.reason,
+            )
+        return compiled, kept
 
 def compile_count() -> int:
     """How many collective programs this process has built: compiled, or loaded compiled (on
