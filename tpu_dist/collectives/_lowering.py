@@ -250,6 +250,7 @@ class ProgramCache:
             )
         return compiled, kept
 
+
 def compile_count() -> int:
     """How many collective programs this process has built: compiled, or loaded compiled (on
     CPU, a program this process compiled for another group of the same size; or from the
