@@ -199,8 +199,9 @@ class ProgramCache:
         platform = devices[0].platform if devices else ""
         cached = platform == self.platform
         root = _compile_cache.directory(platform) if cached else None
-        placement = _compile_cache.placement_key(key, devices) if cached else None
-        kept = self._serialized.get(placement) if platform == "cpu" else None
+        reuse = cached and platform == "cpu"  # programs serve other groups on CPU only
+        placement = _compile_cache.placement_key(key, devices) if reuse else None
+        kept = self._serialized.get(placement) if reuse else None
         compiled, origin = None, "reused"
         if kept is not None:
             compiled = _compile_cache.deserialize(kept, devices, len(key.blocks))
@@ -215,11 +216,13 @@ class ProgramCache:
                     if root is not None:
                         found = _compile_cache.load(key, devices, platform)
                     if found is None:  # one call site: the program's source metadata is the same
-                        compiled, kept = self._compile(key, devices, cached, root is not None)
+                        compiled, kept = self._compile(
+                            key, devices, reuse or root is not None, root is not None
+                        )
                         origin = "compiled"
             if found is not None:
                 (compiled, kept), origin = found, "disk"
-        if kept is not None and platform == "cpu":
+        if kept is not None and reuse:
             self._serialized.setdefault(placement, kept)
         self.compilations += 1
         self.origins[key] = origin
@@ -229,8 +232,8 @@ class ProgramCache:
         self, key: ProgramKey, devices: Sequence[jax.Device], keep: bool, store: bool
     ) -> tuple[jax.stages.Compiled, _compile_cache.Serialized | None]:
         """Lower and compile ``key``'s program. When XLA really compiled it here and ``keep``
-        (the runtime's own platform), also return it serialized, and with ``store`` put it in
-        the on-disk cache."""
+        (it serves other groups, or goes to the on-disk cache), also return it serialized, and
+        with ``store`` put it in the on-disk cache."""
         lowered = lower(key, devices, self.mesh_for(devices))
         with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
             compiled = lowered.compile()
