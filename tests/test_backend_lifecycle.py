@@ -119,21 +119,23 @@ def test_exit_is_clean_while_the_heartbeat_thread_is_busy() -> None:
     # thread inside a C++ call (the heartbeat's store request) when the interpreter finalizes is
     # unwound by force through code that may not be unwound, and the process aborts. A short
     # heartbeat timeout keeps the heartbeat thread in store calls most of the time (on ebba644,
-    # 1 of 8 processes aborted so). Two-rank jobs, run one after the other.
+    # 1 of 8 processes aborted so). Four two-rank jobs, run at once (each mostly waits).
     from tests.launch_worker import free_port
 
+    jobs = []
     for _ in range(4):
         env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
                "TPU_DIST_HEARTBEAT_TIMEOUT": "0.4", "TPU_DIST_PLATFORM": "cpu"}
-        procs = [
+        jobs.append([
             subprocess.Popen(
                 [sys.executable, "-c", textwrap.dedent(_INIT_REDUCE_EXIT)],
                 env={**os.environ, "PYTHONPATH": REPO, **env, "RANK": str(rank)},
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
             for rank in range(2)
-        ]
-        for rank, proc in enumerate(procs):
+        ])
+    for job in jobs:
+        for rank, proc in enumerate(job):
             _, err = proc.communicate(timeout=120)
             assert "terminate called" not in err and "FATAL" not in err, err
             assert proc.returncode == 0, (rank, err)

@@ -1,6 +1,6 @@
 """tpu-dist-bench: the formulas and the TPU model (pure logic), and one short real run.
 
-The real run starts 2 ranks through the console entry point (``python -m tpu_dist.bench``), tpu
+The real runs start together (a module fixture). The first starts 2 ranks through the console entry point (``python -m tpu_dist.bench``), tpu
 vs gloo, every op at two tiny sizes with 2 timed calls, and checks the JSON: positive times,
 algbw/busbw from the nccl-tests formulas for the known sizes, correct results, and no program
 compiled after each size's first call (a steady-state loop compiles nothing new). Timings are
@@ -113,23 +113,54 @@ def test_expected_busbw_model() -> None:
     assert expected_busbw(Topology("v7x", "2x2x1"), [0, 1], "all_reduce") is None
 
 
-# -- a real run --------------------------------------------------------------------------------
+# -- the real runs ----------------------------------------------------------------------------
 
 
-def test_two_ranks_end_to_end(tmp_path) -> None:
-    out = tmp_path / "bench.json"
-    cmd = [
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
+    """The module's three real runs, started at once (each is mostly start-up and waiting on
+    its two ranks): name -> (finished process, JSON path, PNG path or None)."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench.json"
+    bench = [
         sys.executable, "-m", "tpu_dist.bench", "--nproc", "2", "--sizes", "1002,4K",
         "--iters", "2", "--rounds", "2", "--warmup", "1", "--json", str(out), "-q",
     ]
-    plot = tmp_path / "bench.png"
+    plot = tmp / "bench.png"
     try:
         import matplotlib  # noqa: F401
 
-        cmd += ["--plot", str(plot)]
+        bench += ["--plot", str(plot)]
     except ImportError:
         plot = None
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+    commands = {"bench": bench}
+    for wrap in ("fsdp", "ddp"):
+        commands[wrap] = [
+            sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "2", str(script),
+            "--wrap", wrap, "--rounds", "2", "--steps-per-round", "1", "--warmup", "1",
+        ]
+    procs = {
+        name: subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        for name, command in commands.items()
+    }
+    finished = {}
+    try:
+        for name, proc in procs.items():
+            stdout, stderr = proc.communicate(timeout=300)
+            finished[name] = (
+                subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), out, plot
+            )
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    return finished
+
+
+def test_two_ranks_end_to_end(runs: dict) -> None:
+    proc, out, plot = runs["bench"]
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     assert "tpu/gloo" in proc.stdout
     assert "[Gloo]" not in proc.stdout  # jaxlib gloo's connection lines, dropped in the ranks
@@ -163,13 +194,8 @@ def test_two_ranks_end_to_end(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("wrap", ["fsdp", "ddp"])
-def test_train_step_benchmark_runs_and_backends_agree(wrap: str) -> None:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "2", str(script),
-         "--wrap", wrap, "--rounds", "2", "--steps-per-round", "1", "--warmup", "1"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+def test_train_step_benchmark_runs_and_backends_agree(runs: dict, wrap: str) -> None:
+    proc, _, _ = runs[wrap]
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
     assert "losses on tpu and gloo agree" in proc.stdout, proc.stdout[-3000:]
     assert "step time tpu/gloo:" in proc.stdout, proc.stdout[-3000:]

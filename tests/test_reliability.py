@@ -4,6 +4,11 @@ Each scenario has a world of its own (a failed collective leaves its world
 unusable) with short timeouts, so every test ends in bounded time even when
 the code under test is broken: the harness kills a world whose ranks do not
 return, dumps their stacks and fails.
+
+Most of a scenario is waiting (for a timeout, a heartbeat, a late rank's sleep), so the
+``scenarios`` fixture runs them all at once, each world in a thread of its own, at the start of
+the module; each test then checks its scenario's outcome. The timing bounds they assert are
+loose enough for that (a failure within 20 s, a timeout run within 60 s).
 """
 
 from __future__ import annotations
@@ -14,6 +19,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +32,34 @@ from tests.harness import World, WorldError
 from tests.launch_worker import free_port
 
 FAST = {"TPU_DIST_HEARTBEAT_TIMEOUT": "4"}
+
+_SCENARIOS: dict[str, Callable[[Path], Any]] = {}
+
+
+def scenario(fn: Callable[[Path], Any]) -> Callable[[Path], Any]:
+    """Register ``fn(directory)`` to run in the ``scenarios`` fixture, under its own name."""
+    _SCENARIOS[fn.__name__] = fn
+    return fn
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], Any]]:
+    """Starts every registered scenario at once, each in a thread with its own world and
+    directory; ``scenarios(name)`` waits for that one and returns what it returned (or raises
+    what it raised)."""
+    pool = ThreadPoolExecutor(max_workers=len(_SCENARIOS), thread_name_prefix="scenario")
+    futures: dict[str, Future] = {
+        name: pool.submit(fn, tmp_path_factory.mktemp(name)) for name, fn in _SCENARIOS.items()
+    }
+    yield lambda name: futures[name].result()
+    pool.shutdown(wait=True)
+
+
+def _failure(world: World, fn: Callable[..., Any], *args: Any) -> WorldError:
+    """Run ``fn`` on ``world``, which must fail; return the harness's error."""
+    with pytest.raises(WorldError) as caught:
+        world.run(fn, *args)
+    return caught.value
 
 
 def _raise_policy_world(world_size: int, timeout_s: int, records: os.PathLike) -> World:
@@ -59,37 +96,48 @@ def _skip_one_collective(
     return "no error"
 
 
-def test_timeout_raises_naming_the_missing_rank(tmp_path) -> None:
+@scenario
+def timeout_raises(tmp_path: Path) -> tuple[list[str], float, subprocess.CompletedProcess]:
     with _raise_policy_world(3, 5, tmp_path) as world:
         start = time.monotonic()
         results = world.run(_skip_one_collective, 1, 2)
-    for rank in (0, 2):
-        message = results[rank]
-        assert "timed out after 5 s" in message, message
-        assert "all_reduce" in message and "collective #2" in message
-        assert "did not arrive: [1]" in message
-    assert time.monotonic() - start < 60
-    # Rank 2 failed because rank 0 failed the group; it wrote its flight record all the same.
-    assert "tpu_dist_fr_rank2.json" in results[2], results[2]
+        took = time.monotonic() - start
     # The watchdogs dumped the flight records; the analyzer says who is behind.
     out = subprocess.run(
         [sys.executable, "-m", "tpu_dist.collectives.flight_recorder", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )
+    return results, took, out
+
+
+def test_timeout_raises_naming_the_missing_rank(scenarios) -> None:
+    results, took, out = scenarios("timeout_raises")
+    for rank in (0, 2):
+        message = results[rank]
+        assert "timed out after 5 s" in message, message
+        assert "all_reduce" in message and "collective #2" in message
+        assert "did not arrive: [1]" in message
+    assert took < 60
+    # Rank 2 failed because rank 0 failed the group; it wrote its flight record all the same.
+    assert "tpu_dist_fr_rank2.json" in results[2], results[2]
     assert "never completed on ranks [0, 2]" in out.stdout, out.stdout
 
 
-def test_timeout_aborts_by_default_with_a_message(tmp_path) -> None:
+@scenario
+def timeout_aborts(tmp_path: Path) -> tuple[WorldError, bool]:
     env = {**FAST, "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
     with World(2, backend="tpu", env=env, timeout=60, failure_grace=30,
                init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
-        with pytest.raises(WorldError) as caught:
-            world.run(_skip_one_collective, 1)
-    err = caught.value
+        err = _failure(world, _skip_one_collective, 1)
+    return err, (tmp_path / "tpu_dist_fr_rank0.json").exists()
+
+
+def test_timeout_aborts_by_default_with_a_message(scenarios) -> None:
+    err, recorded = scenarios("timeout_aborts")
     assert err.exitcodes.get(0) == 1, err
     assert "timed out after 5 s" in str(err) and "did not arrive: [1]" in str(err)
     assert "TPU_DIST_TIMEOUT_POLICY=abort" in str(err)
-    assert (tmp_path / "tpu_dist_fr_rank0.json").exists()
+    assert recorded
 
 
 def _die_mid_collective(rank: int, world_size: int) -> None:
@@ -107,11 +155,14 @@ def _die_mid_collective(rank: int, world_size: int) -> None:
         raise
 
 
-def test_dead_peer_fails_survivors_naming_it() -> None:
+@scenario
+def dead_peer(tmp_path: Path) -> WorldError:
     with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=20) as world:
-        with pytest.raises(WorldError) as caught:
-            world.run(_die_mid_collective)
-    err = caught.value
+        return _failure(world, _die_mid_collective)
+
+
+def test_dead_peer_fails_survivors_naming_it(scenarios) -> None:
+    err = scenarios("dead_peer")
     assert err.exitcodes.get(2) == -signal.SIGKILL, err
     for rank in (0, 1):
         assert "rank(s) [2] did not report the failure" in err.errors.get(rank, ""), err
@@ -125,11 +176,14 @@ def _stop_mid_collective(rank: int, world_size: int) -> None:
     dist.all_reduce(t)
 
 
-def test_stopped_peer_is_detected_by_heartbeat() -> None:
+@scenario
+def stopped_peer(tmp_path: Path) -> WorldError:
     with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=15) as world:
-        with pytest.raises(WorldError) as caught:
-            world.run(_stop_mid_collective)
-    err = caught.value
+        return _failure(world, _stop_mid_collective)
+
+
+def test_stopped_peer_is_detected_by_heartbeat(scenarios) -> None:
+    err = scenarios("stopped_peer")
     # Ranks 0 and 2 end themselves (abort policy) naming rank 1, whose heartbeat stopped.
     # Once rank 0 has gone, JAX's coordination service (which rank 0 hosts) aborts rank 2
     # (SIGABRT) if its own watchdog has not ended it first.
@@ -159,10 +213,14 @@ def _mismatched(rank: int, world_size: int) -> list[str]:
     return messages
 
 
-def test_mismatched_collectives_raise_on_every_rank_under_detail() -> None:
+@scenario
+def mismatched(tmp_path: Path) -> list[list[str]]:
     with World(2, backend="tpu", env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}, timeout=120) as world:
-        results = world.run(_mismatched)
-    for messages in results:
+        return world.run(_mismatched)
+
+
+def test_mismatched_collectives_raise_on_every_rank_under_detail(scenarios) -> None:
+    for messages in scenarios("mismatched"):
         *errors, after = messages
         assert after == "[2.0, 2.0, 2.0]"
         for message in errors:
@@ -182,14 +240,20 @@ def _record_and_dump(rank: int, world_size: int, directory: str) -> str:
     return flight_recorder.dump(directory)
 
 
-def test_flight_recorder_dump_and_analyzer(tmp_path) -> None:
+@scenario
+def flight_recorder(tmp_path: Path) -> tuple[list[str], subprocess.CompletedProcess]:
     with World(2, backend="tpu", timeout=120) as world:
         paths = world.run(_record_and_dump, str(tmp_path))
-    assert sorted(os.path.basename(p) for p in paths) == ["tpu_dist_fr_rank0.json", "tpu_dist_fr_rank1.json"]
     out = subprocess.run(
         [sys.executable, "-m", "tpu_dist.collectives.flight_recorder", str(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )
+    return paths, out
+
+
+def test_flight_recorder_dump_and_analyzer(scenarios) -> None:
+    paths, out = scenarios("flight_recorder")
+    assert sorted(os.path.basename(p) for p in paths) == ["tpu_dist_fr_rank0.json", "tpu_dist_fr_rank1.json"]
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every rank called the same collectives" in out.stdout
 
@@ -203,12 +267,16 @@ def _async_work_nobody_waits_on(rank: int, world_size: int) -> dict:
     return {"values": sorted(set(seen)), "completed": work.is_completed(), "ok": work.is_success()}
 
 
-def test_unwaited_async_work_completes_in_background_and_never_times_out() -> None:
+@scenario
+def unwaited_async(tmp_path: Path) -> list[dict]:
+    with World(2, backend="tpu", timeout=90) as world:
+        return world.run(_async_work_nobody_waits_on)
+
+
+def test_unwaited_async_work_completes_in_background_and_never_times_out(scenarios) -> None:
     # The watchdog used to keep such a work "in flight" and abort the process after the
     # group's timeout although its program had long finished.
-    with World(2, backend="tpu", timeout=90) as world:
-        results = world.run(_async_work_nobody_waits_on)
-    for result in results:
+    for result in scenarios("unwaited_async"):
         assert result == {"values": [3.0], "completed": True, "ok": True}, result
 
 
@@ -224,13 +292,18 @@ print("script done", flush=True)
 """
 
 
-def test_exit_with_async_work_in_flight_is_clean() -> None:
-    # A helper thread inside XLA when the interpreter finalized used to abort the process
-    # ("FATAL: exception not rethrown", exit code 134); at exit, in-flight works now finish.
+@scenario
+def exit_in_flight(tmp_path: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "TPU_DIST_PLATFORM": "cpu"}
-    out = subprocess.run([sys.executable, "-c", _EXIT_WITH_WORK_IN_FLIGHT], env=env,
-                         capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-c", _EXIT_WITH_WORK_IN_FLIGHT], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_exit_with_async_work_in_flight_is_clean(scenarios) -> None:
+    # A helper thread inside XLA when the interpreter finalized used to abort the process
+    # ("FATAL: exception not rethrown", exit code 134); at exit, in-flight works now finish.
+    out = scenarios("exit_in_flight")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "script done" in out.stdout
 
@@ -248,12 +321,26 @@ def _hold_the_gil(rank: int, world_size: int, seconds: float) -> float:
     return time.monotonic() - start
 
 
-@pytest.mark.parametrize("backend", ["gloo", "tpu"])
-def test_a_rank_holding_the_gil_is_not_declared_dead(backend: str) -> None:
+def _gil_world(backend: str) -> list[float]:
     # Heartbeat timeout 3 s, group timeout 60 s: the rank is silent for 8 s, and alive.
     with World(2, backend=backend, env={"TPU_DIST_HEARTBEAT_TIMEOUT": "3"}, timeout=90,
                init_kwargs={"timeout": datetime.timedelta(seconds=60)}) as world:
-        waited = world.run(_hold_the_gil, 8)
+        return world.run(_hold_the_gil, 8)
+
+
+@scenario
+def gil_gloo(tmp_path: Path) -> list[float]:
+    return _gil_world("gloo")
+
+
+@scenario
+def gil_tpu(tmp_path: Path) -> list[float]:
+    return _gil_world("tpu")
+
+
+@pytest.mark.parametrize("backend", ["gloo", "tpu"])
+def test_a_rank_holding_the_gil_is_not_declared_dead(scenarios, backend: str) -> None:
+    waited = scenarios(f"gil_{backend}")
     assert min(waited) >= 7.5, waited
 
 
@@ -273,9 +360,14 @@ def _late_rank_after_a_timeout(rank: int, world_size: int) -> list[str]:
     return outcomes
 
 
-def test_after_a_timeout_every_rank_sees_the_group_failed(tmp_path) -> None:
+@scenario
+def after_timeout(tmp_path: Path) -> list[list[str]]:
     with _raise_policy_world(3, 3, tmp_path) as world:
-        results = world.run(_late_rank_after_a_timeout)
+        return world.run(_late_rank_after_a_timeout)
+
+
+def test_after_a_timeout_every_rank_sees_the_group_failed(scenarios) -> None:
+    results = scenarios("after_timeout")
     for rank in (0, 2):
         first, second = results[rank]
         assert first.startswith("failed:") and "timed out after 3 s" in first, results
@@ -303,17 +395,22 @@ def _send_nobody_receives(rank: int, world_size: int) -> str:
     return "no error"
 
 
-def test_p2p_is_watched_from_before_dispatch(tmp_path) -> None:
+@scenario
+def p2p_watched(tmp_path: Path) -> tuple[list[str], str]:
+    with _raise_policy_world(2, 5, tmp_path) as world:
+        results = world.run(_send_nobody_receives)
+    return results, (tmp_path / "tpu_dist_fr_rank0.json").read_text()
+
+
+def test_p2p_is_watched_from_before_dispatch(scenarios) -> None:
     # The send blocks in its dispatch until the peer arrives (XLA:CPU runs it inline); it is
     # under the watchdog from before that, as every collective, so it times out (a send
     # tracked only after its dispatch returned would hang here until the harness kills it).
-    with _raise_policy_world(2, 5, tmp_path) as world:
-        results = world.run(_send_nobody_receives)
+    results, record = scenarios("p2p_watched")
     message = results[0]
     assert "timed out after 5 s" in message, message
     assert "send" in message and "collective #2 of group 'p2p:0-1'" in message, message
     assert "did not arrive: [1]" in message, message
-    record = (tmp_path / "tpu_dist_fr_rank0.json").read_text()
     assert '"send"' in record and "p2p:0-1" in record
 
 
@@ -345,11 +442,14 @@ def _p2p_to_a_dead_peer(rank: int, world_size: int) -> None:
     raise RuntimeError("RESULT all_reduce ok; isend.wait() returned")
 
 
-def test_p2p_failure_surfaces_from_its_own_work() -> None:
+@scenario
+def p2p_dead_peer(tmp_path: Path) -> WorldError:
     with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=20) as world:
-        with pytest.raises(WorldError) as caught:
-            world.run(_p2p_to_a_dead_peer)
-    err = caught.value
+        return _failure(world, _p2p_to_a_dead_peer)
+
+
+def test_p2p_failure_surfaces_from_its_own_work(scenarios) -> None:
+    err = scenarios("p2p_dead_peer")
     assert err.exitcodes.get(1) == -signal.SIGKILL, err
     assert "RESULT all_reduce ok" in err.errors.get(2, ""), err
     zero = err.errors.get(0, "")
