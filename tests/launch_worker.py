@@ -237,7 +237,8 @@ def main() -> None:
             time.sleep(args.delay)  # a slow-to-start rank 0: its peers look for it first
         _allreduce(args.backend)
         print(f"RESUMED rank={rank} restart={os.environ['TORCHELASTIC_RESTART_COUNT']} "
-              f"t={time.time():.2f}", flush=True)
+              f"attempt={os.environ.get('TPU_DIST_LAUNCH_ATTEMPT')} t={time.time():.2f}",
+              flush=True)
     elif args.mode == "steps":
         _steps(args, rank)
     elif args.mode == "sleep":

@@ -1,17 +1,22 @@
 """tpu-launch across restarts and hosts: --max-restarts resumes a job; one host's failure stops all.
 
 The restart test's worker fails once (a marker file records the first attempt, as a checkpoint
-would), then all-reduces over the c10d backend given by ``BACKENDS``. On "tpu" the restarted
-attempt must not read the JAX coordinator address of the failed one (elastic keeps its store
-across restarts: rank 0 of the restarted attempt starts 2 s late, so its peers look for the
-address first), so it runs three times. The restarting launches start together (the
-``restarts`` fixture): most of each is waiting.
+would) after attempt 0 initialised its group and all-reduced, then all-reduces over the c10d
+backend given. Rank 0 of the restarted attempt starts 2 s late, so its peers look for its store
+keys first: they must not read the failed attempt's (elastic keeps one store across restarts, and
+torch's own keys are not per attempt: on gloo attempt 1 connected to attempt 0's dead peer
+addresses, ``connectFullMesh ... Connection refused``; on "tpu" it read the dead JAX
+coordinator's address), so "tpu" runs three times. The two-host case (one worker per host) also
+needs both hosts to agree on the attempt: the healthy host restarts for the failed one without
+counting a restart. The restarting launches start together (the ``restarts`` fixture): most of
+each is waiting.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -32,12 +37,19 @@ def restarts(tmp_path_factory: pytest.TempPathFactory) -> dict:
         launches[f"fail-once-{backend}-{run}"] = (marker, [
             "--nproc-per-node", "2", "--max-restarts", "1",
             WORKER, "fail-once", "--marker", str(marker),
-            # On "tpu", attempt 0 initialises the group before rank 1 fails, and rank 0 of
-            # attempt 1 starts 2 s late. gloo (torch's own keys are not per attempt either)
-            # then fails its restart too (connectFullMesh: Connection refused), so gloo runs
-            # the plain case: attempt 0's peers never reach init_process_group.
-            *(["--after-init", "--delay", "2"] if backend == "tpu" else []),
+            # Attempt 0 initialises the group and all-reduces before rank 1 fails, and rank 0
+            # of attempt 1 starts 2 s late: its peers look for its store keys first.
+            "--after-init", "--delay", "2",
             "--backend", backend,
+        ])
+    marker = tmp / "checkpoint-two-hosts"
+    port = free_port()
+    for node in (0, 1):
+        launches[f"two-hosts-{node}"] = (marker, [
+            "--nnodes", "2", "--node-rank", str(node), "--master-port", str(port),
+            "--nproc-per-node", "1", "--max-restarts", "1",
+            WORKER, "fail-once", "--marker", str(marker), "--after-init", "--delay", "2",
+            "--backend", "tpu",
         ])
     ckpt = tmp / "ckpt.pt"
     launches["steps"] = (ckpt, [
@@ -55,15 +67,28 @@ def test_max_restarts_resumes_a_job_that_failed_once(restarts: dict, backend: st
     assert marker.exists()
     assert "[rank1]:rank 1: failing on purpose (attempt 0)" in out
     for rank in (0, 1):
-        assert f"[rank{rank}]:RESUMED rank={rank} restart=1" in out
+        assert f"[rank{rank}]:RESUMED rank={rank} restart=1 attempt=1 " in out
+
+
+def test_two_hosts_restart_together_and_resume(restarts: dict) -> None:
+    """Rank 1 (node 1) fails once after the group worked; both hosts start attempt 1, agree on
+    its store and its number (TORCHELASTIC_RESTART_COUNT stays 0 on node 0: its workers were
+    healthy), and resume."""
+    (code0, out0, err0, marker), (code1, out1, err1, _) = (
+        restarts["two-hosts-0"], restarts["two-hosts-1"]
+    )
+    assert code0 == 0, err0
+    assert code1 == 0, err1
+    assert marker.exists()
+    assert "[rank1]:rank 1: failing on purpose (attempt 0)" in out1
+    assert re.search(r"^\[rank0\]:RESUMED rank=0 restart=[01] attempt=1 ", out0, re.M), out0
+    assert "[rank1]:RESUMED rank=1 restart=1 attempt=1 " in out1
 
 
 def test_restarted_job_resumes_from_its_checkpoint_with_the_right_result(restarts: dict) -> None:
     """Rank 1 fails after step 3 of 6 (the group working, rank 0 in the next all_reduce); the
     restarted job loads rank 0's checkpoint and finishes. Its state must equal an uninterrupted
-    run's, computed here with numpy (float32, the same operations). "tpu" only: gloo cannot
-    restart once its group worked (attempt 1 reads attempt 0's gloo addresses from elastic's
-    store: ``connectFullMesh ... Connection refused``, the test fails at its time limit)."""
+    run's, computed here with numpy (float32, the same operations)."""
     import numpy as np
 
     code, out, err, _ = restarts["steps"]

@@ -127,6 +127,13 @@ def _int(raw: str) -> int:
         raise ValueError("is not an exit code (an integer).") from None
 
 
+def _attempt(raw: str) -> int:
+    text = raw.strip()
+    if not text.isdigit():
+        raise ValueError(f"is not a launch attempt (0, 1, ...), got {raw!r}.")
+    return int(text)
+
+
 def _text(raw: str) -> str:
     return raw.strip()
 
@@ -204,6 +211,13 @@ EXIT_CODE: Setting[int] = Setting(
     "program runs, so it is read when the process exits, not once).",
     parse=_int,
 )
+LAUNCH_ATTEMPT: Setting[int] = Setting(
+    env="TPU_DIST_LAUNCH_ATTEMPT",
+    default=None,
+    help="This launch attempt, the same on every node (set by tpu-launch for each attempt; "
+    "without it, TORCHELASTIC_RESTART_COUNT, which can differ between nodes).",
+    parse=_attempt,
+)
 COMPILE_ONLY: Setting[bool] = Setting(
     env="TPU_DIST_COMPILE_ONLY",
     default="0",
@@ -274,7 +288,7 @@ METADATA_TIMEOUT: Setting[float] = Setting(
 
 SETTINGS: tuple[Setting, ...] = (
     PLATFORM, COORDINATOR_ADDRESS, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
-    FLIGHT_RECORDER_SIZE, EXIT_CODE, COMPILE_ONLY, COMPILE_CACHE, BACKEND_NAME, DEFAULT_FOR_CPU,
-    TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
+    FLIGHT_RECORDER_SIZE, EXIT_CODE, LAUNCH_ATTEMPT, COMPILE_ONLY, COMPILE_CACHE, BACKEND_NAME,
+    DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
 )
 """Every declared setting, in the order above."""

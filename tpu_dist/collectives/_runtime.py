@@ -382,11 +382,18 @@ def info() -> RuntimeInfo | None:
 
 
 def attempt() -> int:
-    """This launch attempt: ``TORCHELASTIC_RESTART_COUNT`` (0 without a restarting launcher).
+    """This launch attempt: ``TPU_DIST_LAUNCH_ATTEMPT`` (tpu-launch), else
+    ``TORCHELASTIC_RESTART_COUNT`` (0 without a restarting launcher).
 
     torch.distributed.elastic keeps its store across restarts of the worker group, so every
     key tpu_dist puts in the c10d store is namespaced by the attempt (:func:`store_prefix`).
+    Every rank of one attempt must get the same number: elastic's restart count is per node
+    (a node whose healthy workers restart because another node failed keeps its count), the
+    attempt tpu-launch hands out is the rendezvous's.
     """
+    launched = _settings.LAUNCH_ATTEMPT.read()
+    if launched is not None:
+        return launched
     raw = os.environ.get(_RESTART_ENV, "0").strip() or "0"
     if not raw.isdigit():
         raise ValueError(f"{_RESTART_ENV}={raw!r} is not a restart count (0, 1, ...).")

@@ -47,7 +47,10 @@ the ``TPU_PROCESS_*`` ones (see ``tpu_dist.launch._torchtpu``)::
 
 Fault tolerance: ``--max-restarts N`` restarts the worker group up to N times; a script that
 resumes from its last checkpoint then completes. With several hosts, tpu-launch switches the
-default static rendezvous to c10d so that all hosts restart together.
+default static rendezvous to c10d so that all hosts restart together. Each attempt's workers get
+their own c10d store (torch's own keys, gloo's peer addresses among them, are not per attempt):
+the first attempt torch's, each later one a new store rank 0's launcher starts on a free port,
+which that attempt's ``MASTER_PORT`` names (``tpu_dist.launch._rendezvous``).
 
 Check a launch without starting anything: ``tpu-launch --dry-run ... train.py`` prints the
 resolved launch (and where each value came from), and per host and rank every variable the
@@ -112,6 +115,8 @@ From tpu-launch:
                                     transparent huge pages (~1/3 off a 64 MiB all_reduce)
 ``TPU_DIST_DEFAULT_FOR_CPU``        ``1`` with ``--default-for-cpu``: tpu_dist is torch's default
                                     backend for CPU tensors (``init_process_group()`` unnamed)
+``TPU_DIST_LAUNCH_ATTEMPT``         the attempt (0, 1, ...), the same on every node, unlike
+                                    ``TORCHELASTIC_RESTART_COUNT`` (per node, failures only)
 =================================  ===========================================================
 
 With ``--runtime torchtpu`` the five TPU variables from ``TPU_VISIBLE_CHIPS`` to

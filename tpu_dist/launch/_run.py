@@ -147,9 +147,12 @@ def elastic_config(spec: LaunchSpec) -> tuple[Any, Callable[..., Any] | str, lis
 
     Built by torchrun's own ``config_from_args`` from the parsed flags with tpu_dist's resolved
     values written back, so that every torchrun flag keeps its torchrun meaning; the entrypoint
-    is then wrapped by :mod:`._worker`.
+    is then wrapped by :mod:`._worker`, and the rendezvous by :mod:`._rendezvous` (a separate
+    c10d store for every attempt).
     """
     from torch.distributed.run import config_from_args
+
+    from tpu_dist.launch import _rendezvous
 
     if spec.torchrun is None:
         raise ValueError("LaunchSpec.torchrun is required to launch; build the spec with resolve()")
@@ -168,6 +171,8 @@ def elastic_config(spec: LaunchSpec) -> tuple[Any, Callable[..., Any] | str, lis
     ns.tee = spec.tee
     ns.run_path = ns.module = ns.no_python = False  # the entrypoint is ours, built below
     config, _, _ = config_from_args(ns)
+    # Each attempt's workers get their own c10d store (torch's keys are not per attempt).
+    config.rdzv_backend = _rendezvous.wrap_backend(config.rdzv_backend)
     if config.log_line_prefix_template is None:
         config.log_line_prefix_template = DEFAULT_LOG_LINE_PREFIX
 
