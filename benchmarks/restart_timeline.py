@@ -22,11 +22,11 @@ process, the workers print a time stamp at each stage):
 * ``init``: ``init_process_group`` returned on both ranks (the later one).
 * ``resumed``: the first all_reduce of attempt 1 returned on both ranks (the later one).
 
-Gloo cannot restart after its group worked, nor once rank 0 of attempt 0 entered
-``init_process_group`` (torch's own store keys are not per attempt: attempt 1 reads attempt 0's
-gloo addresses, ``connectFullMesh ... Connection refused``; see tests/test_launch_restart.py).
-So on gloo both ranks of attempt 0 import torch, rank 0 then sleeps, and rank 1 fails: the same
-teardown of a process that imported torch, without a group.
+On gloo both ranks of attempt 0 import torch, rank 0 then sleeps, and rank 1 fails: the same
+teardown of a process that imported torch, without a group. (This plain form dates from when
+gloo could not restart after its group worked, torch's own store keys not being per attempt;
+tpu-launch now gives each attempt its own store, and tests/test_launch_restart.py restarts gloo
+after init.)
 """
 
 from __future__ import annotations
