@@ -49,11 +49,15 @@ def pytest_configure(config: pytest.Config) -> None:
     the worlds' processes inherit the variables. JAX reads its variables when it is imported,
     so they are set here, before the forkserver that workers come from imports it; a value the
     user set wins (``TPU_DIST_COMPILE_CACHE=0`` runs the suite without tpu_dist's cache).
+
+    Also keeps pytest-xdist from reordering the modules (see :data:`_LONGEST_FIRST`).
     """
     tmp = tempfile.gettempdir()
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "tpu_dist_test_jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("TPU_DIST_COMPILE_CACHE", os.path.join(tmp, "tpu_dist_test_xla_cache"))
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep _LONGEST_FIRST's order
+        config.option.loadscopereorder = False
 
 
 @pytest.fixture(scope="module")
@@ -94,15 +98,18 @@ def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World
 
 
 _LONGEST_FIRST = (
-    "test_examples", "test_compile_only", "test_launch_faults", "test_backend_lifecycle",
-    "test_launch_restart", "test_fsdp_tp_ddp", "test_dtensor", "test_launch_failures",
-    "test_reliability", "test_bench", "test_tpu_compile", "test_torch_suite",
+    "test_examples", "test_compile_only", "test_dtensor", "test_compile_cache",
+    "test_launch_restart", "test_collectives_reduce", "test_launch_failures", "test_launch_faults",
+    "test_fsdp_tp_ddp", "test_backend_lifecycle", "test_collectives_movement", "test_launch_e2e",
+    "test_torch_compile", "test_tpu_compile", "test_bench", "test_torch_suite",
 )
-"""The modules that take longest (``--durations``), longest first. ``pytest -n 2 --dist
-loadfile`` hands whole modules to the two workers in collection order, and a long module
-handed out last (as the names sort, several were) can leave the other worker without work.
-Measured from clean clones: 10:40 without it (a3b63b9), 10:02 with it (4649885), within
-noise; the two workers' test times then summed to 1.95x the wall time: little idle end left."""
+"""The modules that take longest, longest first (each module's wall time in a ``pytest -n 2
+--dist loadfile`` run, benchmarks/README.md E31c). ``--dist loadfile`` hands whole modules to
+the two workers in the order of this list, then the rest in collection order: a long module
+handed out last (such as test_examples, with few tests) would leave the other worker idle
+while it runs. pytest-xdist would instead order the modules by how many *tests* each has
+(``--loadscope-reorder``, its default), which puts the long few-test modules last; so
+:func:`pytest_configure` turns that off."""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
