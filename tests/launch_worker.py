@@ -29,6 +29,11 @@ Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the gr
 * ``timeout-exit``: group timeout ``--timeout`` s; rank ``--fail-rank`` stays away from the
   second all_reduce for ``--sleep`` s; the others catch the timeout's error and exit with
   ``--exit-code`` (run "tpu" with TPU_DIST_TIMEOUT_POLICY=raise).
+* ``rank0-dies``: after one all_reduce, rank 0 sleeps ``--delay`` s and ends with
+  ``os._exit(--exit-code)`` (no Python teardown, as a crash); the others wait in an all_reduce
+  it never joins, catch its error and print ``CAUGHT rank=R <error type>``. A SIGTERM (the
+  launcher stopping them once rank 0 failed) is held until then, as a program that saves a
+  checkpoint in its handler would, so the test does not race the launcher's poll.
 * ``loop``: all_reduce in a loop until killed (for the Ctrl-C test); writes pids to ``--pid-dir``.
 * ``stall``: rank ``--fail-rank`` sleeps ``--sleep`` s while the others wait in a barrier (for
   the Ctrl-C test); writes pids to ``--pid-dir``.
@@ -136,6 +141,21 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
         except Exception as err:  # DistBackendError on "tpu", a gloo timeout error on gloo
             print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
             sys.exit(args.exit_code)
+    elif args.mode == "rank0-dies":
+        torch, dist = _init(args.backend)
+        if rank == 0:
+            time.sleep(args.delay)
+            os._exit(args.exit_code)
+        terms: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
+        try:
+            dist.all_reduce(torch.ones(4))
+        except Exception as err:  # gloo's connection error; DistBackendError on "tpu"
+            print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if terms:
+            os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(args.sleep)
     elif args.mode == "stall":
         torch, dist = _init(args.backend)
         _write_pid(args.pid_dir)
@@ -182,7 +202,8 @@ def main() -> None:
     parser.add_argument(
         "mode",
         choices=["allreduce", "env", "fail", "fail-once", "sleep",
-                 "exit-early", "late-finish", "timeout-exit", "loop", "stall", "steps"],
+                 "exit-early", "late-finish", "timeout-exit", "rank0-dies", "loop", "stall",
+                 "steps"],
     )
     parser.add_argument("--timeout", type=float, default=None)
     parser.add_argument("--after-init", action="store_true")

@@ -1,5 +1,5 @@
 """How a job ends under tpu-launch when a worker leaves early, fails, or is interrupted: "tpu"
-beside gloo (issue 16, items 3, 4 and 8).
+beside gloo (issue 16, items 3, 4, 5 and 8).
 
 Each test runs ``tests/launch_worker.py`` in a fault mode with two workers on both backends
 (the slow one on "tpu" only) and checks what the launcher reports: the failing rank and its own
@@ -46,6 +46,13 @@ def _fault_launches() -> dict[str, tuple[list[str], dict[str, str] | None]]:
              "--exit-code", "3", "--backend", backend],
             {"TPU_DIST_TIMEOUT_POLICY": "raise"},
         )
+        # Rank 0 ends (os._exit(9), a crash) while rank 1 waits in an all_reduce with it; rank
+        # 1's except handler prints CAUGHT. On "tpu" that needs the coordination service
+        # outside rank 0 (tpu-launch's node 0 hosts it), or JAX ends rank 1 at once.
+        launches[f"rank0-dies-{backend}"] = (
+            ["--nproc-per-node", "2", WORKER, "rank0-dies", "--delay", "1", "--exit-code", "9",
+             "--sleep", "60", "--backend", backend], None,
+        )
     # After destroy_process_group(), rank 1 works alone for longer than JAX's shutdown timeout.
     # gloo needs no check: it has no such barrier.
     launches["late-finish-tpu"] = (
@@ -78,6 +85,19 @@ def test_caught_timeout_then_exit_keeps_the_exit_code(faults: dict, backend: str
     assert "CAUGHT rank=0" in out + err
     assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
     assert "exited with code 3" in err, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rank_0s_death_is_the_root_cause_and_the_others_handle_it(
+    faults: dict, backend: str
+) -> None:
+    code, out, err = faults[f"rank0-dies-{backend}"]
+    assert code == 1, err
+    assert "[rank1]:CAUGHT rank=1" in out, out + err
+    assert "Terminating process because the JAX distributed service" not in out + err, err
+    assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
+    assert "exited with code 9" in err, err
+    assert "rank 1: killed by SIGTERM (stopped by the launcher)" in err, err
 
 
 def test_ranks_that_finish_further_apart_than_jaxs_shutdown_timeout_exit_0(faults: dict) -> None:

@@ -178,6 +178,14 @@ COORDINATOR_ADDRESS: Setting[str] = Setting(
     "port).",
     parse=_text,
 )
+COORDINATION_SERVICE: Setting[str] = Setting(
+    env="TPU_DIST_COORDINATION_SERVICE",
+    default=None,
+    help="host:port of a JAX coordination service that runs outside the ranks (tpu-launch "
+    "starts one per attempt and sets it); every rank, rank 0 included, connects as a client. "
+    "Unset: rank 0 hosts the service.",
+    parse=_text,
+)
 TIMEOUT_POLICY: Setting[str] = Setting(
     env="TPU_DIST_TIMEOUT_POLICY",
     default="abort",
@@ -287,7 +295,7 @@ METADATA_TIMEOUT: Setting[float] = Setting(
 )
 
 SETTINGS: tuple[Setting, ...] = (
-    PLATFORM, COORDINATOR_ADDRESS, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
+    PLATFORM, COORDINATOR_ADDRESS, COORDINATION_SERVICE, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
     FLIGHT_RECORDER_SIZE, EXIT_CODE, LAUNCH_ATTEMPT, COMPILE_ONLY, COMPILE_CACHE, BACKEND_NAME,
     DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
 )

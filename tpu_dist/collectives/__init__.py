@@ -17,6 +17,8 @@ Public names:
 * :func:`set_timeout` - change a group's timeout for later collectives (torch's
   ``_set_pg_timeout`` reaches only gloo and NCCL).
 * :func:`global_devices` - the JAX device of each global rank.
+* :func:`start_coordination_service` - host JAX's coordination service outside the ranks (what
+  tpu-launch's node 0 does), so that rank 0's death does not end the others.
 * :func:`compile_count` - how many collective programs this process compiled.
 * :class:`ProgramKey` - what decides a collective's XLA program (kind, blocks, params, algorithm);
   :mod:`tpu_dist.collectives.compile_only` compiles one for TPU without a TPU (libtpu).
@@ -39,7 +41,7 @@ from tpu_dist.collectives._timeout import set_timeout
 if TYPE_CHECKING:
     from tpu_dist.collectives._backend import ProcessGroupTPU
     from tpu_dist.collectives._lowering import ProgramKey, compile_count
-    from tpu_dist.collectives._runtime import global_devices
+    from tpu_dist.collectives._runtime import global_devices, start_coordination_service
 
 # These pull in JAX, so they load on first use: ``import tpu_dist`` stays cheap.
 _LAZY = {
@@ -47,6 +49,7 @@ _LAZY = {
     "compile_count": "tpu_dist.collectives._lowering",
     "ProgramKey": "tpu_dist.collectives._lowering",
     "global_devices": "tpu_dist.collectives._runtime",
+    "start_coordination_service": "tpu_dist.collectives._runtime",
 }
 
 
@@ -66,4 +69,5 @@ __all__ = [
     "register_backend",
     "registered_name",
     "set_timeout",
+    "start_coordination_service",
 ]

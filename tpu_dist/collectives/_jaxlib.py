@@ -23,6 +23,16 @@ keep a program out of     a thread-local ``persistent_cache_min_         none: t
 JAX's persistent cache    compile_time_secs`` (``jax._src.config``)      written (compile-only
                                                                          ones then warn on read)
 ========================  =============================================  ========================
+
+Two private calls have no public fallback, because JAX has no public way to do what they do:
+``jax.distributed.initialize`` always starts the coordination service inside process 0. A
+service that outlives every rank (tpu-launch's, so that rank 0's death does not end the others)
+is started with :func:`start_coordination_service` (``_jax.get_distributed_runtime_service``),
+and each rank, rank 0 included, joins it with :func:`connect_to_service`, which does what
+``jax.distributed.initialize`` does for a process other than 0 (``_jax.
+get_distributed_runtime_client``, ``connect``, then JAX's ``distributed.global_state``). When
+either is missing or changed they raise a ``RuntimeError`` that says so and how to do without
+(unset ``TPU_DIST_COORDINATION_SERVICE``: rank 0 hosts the service, as before).
 """
 
 from __future__ import annotations
@@ -57,6 +67,11 @@ try:
     from jax._src.lib import xla_client as _xc
 except ImportError:  # pragma: no cover - another jax
     _get_compile_options = _xc = None
+try:
+    from jax._src import distributed as _distributed
+    from jax._src import xla_bridge as _xla_bridge
+except ImportError:  # pragma: no cover - another jax
+    _distributed = _xla_bridge = None
 _execute_usable = True
 
 _FALLBACKS = {
@@ -243,3 +258,93 @@ def load_onto(
     except Exception as err:  # noqa: BLE001 - whatever failed, compiling is the way
         fell_back("load_onto", f"{type(err).__name__}: {err}")
         return None
+
+
+def _no_service_api(what: str, err: object) -> RuntimeError:
+    return RuntimeError(
+        f"tpu_dist cannot {what} with this jax/jaxlib ({jax.__version__}): its private "
+        f"distributed-runtime API differs from the one tpu_dist was written for (jax 0.10): "
+        f"{err}. Unset TPU_DIST_COORDINATION_SERVICE (rank 0 then hosts JAX's coordination "
+        "service, as jax.distributed.initialize does), or install jax 0.10."
+    )
+
+
+def start_coordination_service(
+    bind_address: str, num_processes: int, *, heartbeat_timeout_s: int, shutdown_timeout_s: int
+) -> object:
+    """Start JAX's coordination service (gRPC) in this process, listening on ``bind_address``
+    (``host:port``) for ``num_processes`` clients; the returned object stops it with
+    ``shutdown()`` (or when it is garbage-collected).
+
+    Recoverable (the ``jax_enable_recoverability`` option of ``jax.distributed``): a client
+    that exits or dies is not an error the service passes on to the others, and there is no
+    shutdown barrier. What JAX's ``State.initialize`` does on process 0, without a client.
+
+    Raises:
+        RuntimeError: this jaxlib has no such call, or a different signature.
+    """
+    make = getattr(_lib, "get_distributed_runtime_service", None)
+    if make is None:
+        raise _no_service_api("start a coordination service", "no get_distributed_runtime_service")
+    try:
+        return make(
+            bind_address,
+            num_processes,
+            heartbeat_timeout=heartbeat_timeout_s,
+            shutdown_timeout=shutdown_timeout_s,
+            recoverable=True,
+        )
+    except TypeError as err:
+        raise _no_service_api("start a coordination service", err) from err
+
+
+def connect_to_service(
+    address: str,
+    process_id: int,
+    num_processes: int,
+    *,
+    init_timeout_s: int,
+    heartbeat_timeout_s: int,
+) -> None:
+    """Make this process JAX process ``process_id`` of ``num_processes``, a client of the
+    coordination service at ``address`` that some other process hosts (process 0 included).
+
+    Does what ``jax.distributed.initialize`` does, less starting a service in process 0 and
+    the preemption notifier (tpu_dist turns it off anyway): the client is made, connected, and
+    put in JAX's ``distributed.global_state``, where JAX's backends find it (so
+    ``jax.distributed.is_initialized()`` and ``jax.distributed.shutdown()`` work as usual).
+
+    Raises:
+        RuntimeError: a JAX backend is already initialized (the message says "must be called
+            before", as JAX's), distributed JAX is already initialized, or this jax's private
+            API differs.
+    """
+    make = getattr(_lib, "get_distributed_runtime_client", None)
+    state = getattr(_distributed, "global_state", None)
+    if make is None or state is None or _xla_bridge is None:
+        raise _no_service_api(
+            "connect to a coordination service", "no get_distributed_runtime_client or global_state"
+        )
+    if _xla_bridge.backends_are_initialized():
+        raise RuntimeError(
+            "jax.distributed.initialize() must be called before any JAX calls that might "
+            "initialise the XLA backend (tpu_dist connects to the coordination service in its "
+            "place)."
+        )
+    if state.client is not None:
+        raise RuntimeError("JAX's distributed runtime is already initialized in this process.")
+    try:
+        client = make(
+            address,
+            process_id,
+            init_timeout=init_timeout_s,
+            use_compression=True,
+            heartbeat_timeout=heartbeat_timeout_s,
+        )
+    except TypeError as err:
+        raise _no_service_api("connect to a coordination service", err) from err
+    client.connect()
+    state.client = client
+    state.process_id = process_id
+    state.num_processes = num_processes
+    state.coordinator_address = address

@@ -10,25 +10,38 @@ package keep no per-process state of their own. JAX starts when the first
 first) and lives until the interpreter exits (``destroy_process_group`` leaves
 it running: JAX allows one distributed initialization per process).
 
-* Start. ``jax.distributed.initialize`` is called with one JAX process per
-  torch rank. The coordinator address is exchanged through the group's c10d
-  store under a key of this launch attempt (:func:`attempt`): rank 0 binds a
-  free port (never the store's own port, which would collide) and publishes
-  ``host:port``; the others read it. A restarted job (``tpu-launch
-  --max-restarts``) never reads the address of an earlier attempt.
-* What listens where. Rank 0 hosts JAX's coordination service (gRPC) on the
-  address it advertises: ``MASTER_ADDR`` (or this host's address) and a free
-  port, bound to that host's interface only (``JAX_COORDINATOR_BIND_ADDRESS``
-  overrides the bind address, as for JAX). XLA's CPU collectives (gloo) open
-  their own ports on the interface of each rank's address.
+* Start. One JAX process per torch rank, every one a client of JAX's
+  coordination service (gRPC), which is hosted in one of two places:
+
+  - *Outside the ranks* (under ``tpu-launch``): the launcher of node 0 starts a
+    service for each launch attempt and hands its address to every worker as
+    ``TPU_DIST_COORDINATION_SERVICE``; every rank, rank 0 included, connects
+    as a client only (``_jaxlib.connect_to_service``: ``jax.distributed
+    .initialize`` would start a service in rank 0). Rank 0 is then a rank like
+    the others: when it dies, the others live on (their collectives with it
+    fail and raise, as on gloo) and it need not wait for them at exit.
+  - *In rank 0* (anywhere else: torchrun, a hand-made world): ``jax.distributed
+    .initialize``. The address is exchanged through the group's c10d store under
+    a key of this launch attempt (:func:`attempt`): rank 0 binds a free port
+    (never the store's own port, which would collide) on ``MASTER_ADDR`` (or
+    this host's address), bound to that host's interface only
+    (``JAX_COORDINATOR_BIND_ADDRESS`` overrides the bind address, as for JAX),
+    and publishes ``host:port``; the others read it. A restarted job never reads
+    the address of an earlier attempt.
+
+  XLA's CPU collectives (gloo) open their own ports on the interface of each
+  rank's address.
 * Lifetime. The coordination service runs *recoverable* (a JAX option): a
   process that exits or dies is not a fatal error for the others, and there
   is no shutdown barrier, so each rank exits when it is done, with its own
   exit code. JAX's own heartbeats are off (a timeout of ~11 days): the
-  watchdog (``_watchdog``) decides who is gone. The one process that cannot
-  leave early is rank 0, which hosts the service: JAX ends every process that
-  still uses a service that went away, so rank 0 waits at exit until the
-  others have exited (see ``Watchdog.at_exit``).
+  watchdog (``_watchdog``) decides who is gone. What a rank cannot survive is
+  the service going away: JAX's client then ends its process at once (SIGABRT,
+  "Terminating process because the JAX distributed service detected fatal
+  errors"), before any ``except`` handler runs. So where rank 0 hosts the
+  service, its death ends every other rank, and at exit rank 0 waits until the
+  others have exited (see ``Watchdog.at_exit``); with the service outside the
+  ranks neither holds.
 * Platform. ``TPU_DIST_PLATFORM`` = ``auto`` (default: TPU when a TPU is
   attached, else CPU), ``cpu``, ``tpu`` or ``gpu``. On CPU each rank owns one
   XLA CPU device and collectives ride XLA's CPU collectives (gloo).
@@ -94,7 +107,10 @@ class RuntimeInfo:
     platform: str
     """The JAX platform collectives run on: "cpu", "tpu" or "gpu"."""
     coordinator_address: str
-    """``host:port`` of the JAX coordination service (on rank 0)."""
+    """``host:port`` of the JAX coordination service."""
+    hosts_service: bool = False
+    """Whether this process hosts the coordination service (rank 0 when no service runs
+    outside the ranks, module doc): the others cannot outlive it."""
 
 
 def _leave_if_stuck() -> None:
@@ -235,7 +251,12 @@ class Runtime:
                 jax.config.update("jax_platforms", "tpu")
             else:
                 jax.config.update("jax_platforms", "cuda")
-            address = _exchange_coordinator_address(store, rank, timeout)
+            outside = _settings.COORDINATION_SERVICE.read()
+            if outside is not None:
+                address = outside
+                _wait_until_listening(address, timeout.total_seconds())
+            else:
+                address = _exchange_coordinator_address(store, rank, timeout)
             init_timeout = max(int(timeout.total_seconds()), 10)
             sigterm = signal.getsignal(signal.SIGTERM)
             # A process that exits is not an error for the others (no error propagation, no
@@ -243,15 +264,24 @@ class Runtime:
             jax.config.update("jax_enable_recoverability", True)
             jax.config.update("jax_enable_preemption_service", False)
             try:
-                jax.distributed.initialize(
-                    coordinator_address=address,
-                    num_processes=world_size,
-                    process_id=rank,
-                    initialization_timeout=init_timeout,
-                    heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
-                    shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
-                    coordinator_bind_address=bind_address(address),
-                )
+                if outside is not None:
+                    _jaxlib.connect_to_service(
+                        address,
+                        rank,
+                        world_size,
+                        init_timeout_s=init_timeout,
+                        heartbeat_timeout_s=_JAX_HEARTBEAT_TIMEOUT_S,
+                    )
+                else:
+                    jax.distributed.initialize(
+                        coordinator_address=address,
+                        num_processes=world_size,
+                        process_id=rank,
+                        initialization_timeout=init_timeout,
+                        heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
+                        shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
+                        coordinator_bind_address=bind_address(address),
+                    )
             except RuntimeError as err:
                 if "must be called before" in str(err):
                     raise RuntimeError(
@@ -278,7 +308,9 @@ class Runtime:
             self._device = self.devices[rank]
             self._on_cpu = platform == "cpu"
             self.programs.platform = platform
-            self.info = RuntimeInfo(world_size, rank, platform, address)
+            self.info = RuntimeInfo(
+                world_size, rank, platform, address, hosts_service=outside is None and rank == 0
+            )
             logger.info("tpu_dist: JAX runtime started: %s", self.info)
             return self.info
 
@@ -406,7 +438,7 @@ def store_prefix() -> str:
 
 
 def bind_address(address: str) -> str:
-    """Where rank 0's coordination service listens: the address it advertises.
+    """Where a coordination service listens: the address it advertises.
 
     JAX's default is ``[::]:port``, every interface; tpu_dist binds the advertised host's
     interface only, so a job told to use 127.0.0.1 stays on loopback.
@@ -415,15 +447,46 @@ def bind_address(address: str) -> str:
     return os.environ.get(_BIND_ENV) or address
 
 
+def hosts_service() -> bool:
+    """Whether this process hosts JAX's coordination service (:attr:`RuntimeInfo.hosts_service`):
+    rank 0 when no service runs outside the ranks; False before the first group."""
+    started = info()
+    return started is not None and started.hosts_service
+
+
 def disconnect() -> None:
-    """Leave JAX's coordination service (at exit, on ranks other than 0).
+    """Leave JAX's coordination service (at exit, on every rank that does not host it).
 
     ``jax.distributed.shutdown()``, which JAX's own exit handler would call later; the CPU
     collectives need the service only to set up communicators.
     """
     started = info()
-    if started is not None and started.rank != 0 and jax.distributed.is_initialized():
+    if started is not None and not started.hosts_service and jax.distributed.is_initialized():
         jax.distributed.shutdown()
+
+
+def start_coordination_service(host: str, num_processes: int) -> tuple[object, str]:
+    """Start JAX's coordination service in this process, for ``num_processes`` ranks that
+    run elsewhere: ``(service, "host:port")``. What ``tpu-launch``'s node 0 does for each
+    launch attempt (module doc); hand the address to every rank as
+    ``TPU_DIST_COORDINATION_SERVICE`` and each, rank 0 included, connects as a client only.
+    ``service.shutdown()`` stops it; so does dropping the last reference.
+
+    It listens on ``host`` and a free port (``JAX_COORDINATOR_BIND_ADDRESS`` overrides the
+    bind address, as for JAX), recoverable, with the runtime's heartbeat and shutdown
+    timeouts: a rank that exits or dies is no error for the others.
+
+    Raises:
+        RuntimeError: this jaxlib's private API differs (``_jaxlib.start_coordination_service``).
+    """
+    address = f"{host}:{_free_port()}"
+    service = _jaxlib.start_coordination_service(
+        bind_address(address),
+        num_processes,
+        heartbeat_timeout_s=_JAX_HEARTBEAT_TIMEOUT_S,
+        shutdown_timeout_s=JAX_SHUTDOWN_TIMEOUT_S,
+    )
+    return service, address
 
 
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:

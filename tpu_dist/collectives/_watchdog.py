@@ -35,9 +35,10 @@ What happens then is ``TPU_DIST_TIMEOUT_POLICY``:
 
 At exit (``atexit``, before JAX's own teardown) :meth:`Watchdog.at_exit`
 completes the collectives still in flight, notes the exit in the store, and on
-rank 0, which hosts JAX's coordination service, waits until every other rank
-has exited, died, or is blocked on a collective rank 0 will never join: JAX
-ends any process whose coordination service went away.
+rank 0 when it hosts JAX's coordination service (not under tpu-launch, whose
+launcher hosts it: ``_runtime`` module doc), waits until every other rank has
+exited, died, or is blocked on a collective rank 0 will never join: JAX ends
+any process whose coordination service went away.
 
 Every key lives under the launch attempt's prefix (``_runtime.store_prefix``),
 so a restarted job never reads an earlier attempt's notes.
@@ -213,17 +214,19 @@ class Watchdog:
         """Registered with ``atexit`` (it runs before JAX's own exit handlers).
 
         Completes the collectives in flight, notes this rank's exit in the store (a peer
-        waiting for this rank fails at once instead of at its timeout), and on rank 0 waits
-        for the other ranks (see the module docstring).
+        waiting for this rank fails at once instead of at its timeout), and on the rank that
+        hosts JAX's coordination service (rank 0 outside tpu-launch) waits for the other
+        ranks (see the module docstring).
         """
         self.finish_in_flight()
+        from tpu_dist.collectives import _runtime
+
+        hosts_service = _runtime.hosts_service()
         try:
-            if self.rank != 0 and not self._fired:
+            if not hosts_service and not self._fired:
                 # Leave JAX's coordination service before the exit note: rank 0 stops
                 # waiting on the note, and a disconnect that finds the service gone ends
                 # the process (JAX's client treats it as a fatal error).
-                from tpu_dist.collectives import _runtime
-
                 _runtime.disconnect()
             self._store.set(f"{_EXITED}{self.rank}", "1")
             # A process that fails (a failed collective, or a non-zero exit code noted by
@@ -233,7 +236,7 @@ class Watchdog:
                 failing = _settings.EXIT_CODE.read() not in (None, 0)
             except ValueError:  # not a number: not an exit code tpu-launch wrote
                 failing = True
-            if self.rank == 0 and self.world_size > 1 and not self._fired and not failing:
+            if hosts_service and self.world_size > 1 and not self._fired and not failing:
                 self._linger()
         except Exception:  # the store is gone: nobody is left to tell or wait for
             pass
@@ -320,9 +323,17 @@ class Watchdog:
         missing = [r for r in group_ranks if r != self.rank]
         while missing and time.monotonic() < deadline:
             missing = [r for r in missing if not self._store.check([f"{prefix}{r}"])]
+            if missing and all(self._gone(r) for r in missing):
+                # None of them will ever report: raise now, not after ``wait``, so the
+                # caller's except handler runs before a launcher stops this process too.
+                break
             if missing:
                 time.sleep(0.05)
         return missing
+
+    def _gone(self, peer: int) -> bool:
+        """Whether ``peer`` noted its exit, or is a dead process of this host."""
+        return self._store.check([f"{_EXITED}{peer}"]) or self._process_state(peer) == "dead"
 
     # -- threads ----------------------------------------------------------------
 

@@ -117,6 +117,10 @@ From tpu-launch:
                                     backend for CPU tensors (``init_process_group()`` unnamed)
 ``TPU_DIST_LAUNCH_ATTEMPT``         the attempt (0, 1, ...), the same on every node, unlike
                                     ``TORCHELASTIC_RESTART_COUNT`` (per node, failures only)
+``TPU_DIST_COORDINATION_SERVICE``   ``host:port`` of the attempt's JAX coordination service,
+                                    which node 0's launcher hosts: the "tpu" backend's ranks
+                                    connect as clients, so rank 0's death does not end the
+                                    others (they see their collective fail, as on gloo)
 =================================  ===========================================================
 
 With ``--runtime torchtpu`` the five TPU variables from ``TPU_VISIBLE_CHIPS`` to

@@ -29,6 +29,15 @@ torch's store has seen), and every launcher hands it to its workers as
 ``TORCHELASTIC_RESTART_COUNT`` differs between the nodes of one attempt once a node restarted
 its healthy workers because another node failed (elastic counts only failures).
 
+The same launcher (rank 0's) also hosts each attempt's JAX coordination service
+(``tpu_dist.collectives.start_coordination_service``) for the attempt's ``nodes x
+nproc_per_node`` workers, and publishes its address with the store's; every launcher hands it to
+its workers as ``TPU_DIST_COORDINATION_SERVICE``, and the "tpu" backend's ranks connect to it as
+clients only. So the service outlives every worker: rank 0's death fails the collectives it was
+in (the others' ``except`` handlers run, as on gloo) instead of ending every worker at once, as
+it does where rank 0 hosts the service. The previous attempt's service stops when the next
+attempt starts (its workers are gone).
+
 Registered with elastic's rendezvous registry as ``tpu-launch-<backend>`` (:func:`wrap_backend`);
 elastic then takes ``MASTER_ADDR``/``MASTER_PORT`` from the handler, not from the flags.
 Handlers whose workers host their own store (``use_agent_store`` False, e.g. etcd) are passed
@@ -65,6 +74,9 @@ _ADDRESS_KEY = "tpu_dist/launch/attempt_store"
 """Under it, in the rendezvous's store, rank 0's launcher publishes ``"<attempt> <host>:<port>"``:
 the attempt's number and the store of its workers."""
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
+NPROC_CONFIG = "tpu_dist_nproc_per_node"
+"""The rendezvous config key (``LaunchConfig.rdzv_configs``) that carries the workers per node
+to :func:`_create`: the coordination service is started for ``nodes x nproc_per_node``."""
 
 
 class PerAttemptStore(RendezvousHandler):
@@ -74,14 +86,23 @@ class PerAttemptStore(RendezvousHandler):
         inner: torch's handler (static or c10d rendezvous).
         local_addr: this node's address as other nodes reach it (``--local-addr``); default
             ``socket.getfqdn()``, as torch's c10d rendezvous.
+        nproc_per_node: workers per node; None: no coordination service is started (the
+            "tpu" backend's rank 0 then hosts one, as outside tpu-launch).
     """
 
-    def __init__(self, inner: RendezvousHandler, local_addr: str | None = None) -> None:
+    def __init__(
+        self,
+        inner: RendezvousHandler,
+        local_addr: str | None = None,
+        nproc_per_node: int | None = None,
+    ) -> None:
         self._inner = inner
         self._local_addr = local_addr
+        self._nproc_per_node = nproc_per_node
         self._scoped_by_round = inner.get_backend() != "static"
         self._attempts = 0
         self._server: TCPStore | None = None  # the store of the current attempt, on rank 0
+        self._service: object | None = None  # JAX's coordination service of the attempt, on rank 0
 
     def next_rendezvous(self) -> RendezvousInfo:
         info = self._inner.next_rendezvous()
@@ -92,9 +113,11 @@ class PerAttemptStore(RendezvousHandler):
             return info
         key = _ADDRESS_KEY if self._scoped_by_round else f"{_ADDRESS_KEY}/{attempt}"
         if info.rank == 0:
-            info.store.set(key, self._store_for_this_attempt(boot))
+            published = self._store_for_this_attempt(boot)
+            service = self._service_for_this_attempt(boot.master_addr, info.world_size)
+            info.store.set(key, f"{published} {service}" if service else published)
         try:
-            number, _, address = info.store.get(key).decode().partition(" ")
+            number, _, rest = info.store.get(key).decode().partition(" ")
         except Exception as err:  # torch's store timeout (DistStoreError) and connection errors
             raise RendezvousError(
                 f"node {info.rank} of the rendezvous found no c10d store for its attempt "
@@ -103,9 +126,14 @@ class PerAttemptStore(RendezvousHandler):
                 "with the static rendezvous a healthy node does not restart for a failed one "
                 "(use --rdzv-backend c10d)."
             ) from err
+        address, _, service = rest.partition(" ")
         host, _, port = address.rpartition(":")
         # The workers inherit this process's environment (tpu_dist's store keys, module doc).
         os.environ[_settings.LAUNCH_ATTEMPT.env] = number
+        if service:
+            os.environ[_settings.COORDINATION_SERVICE.env] = service
+        else:
+            os.environ.pop(_settings.COORDINATION_SERVICE.env, None)
         if (host, int(port)) != (boot.master_addr, boot.master_port):
             logger.info(
                 "tpu-launch: attempt %s's workers use a new c10d store at %s", number, address
@@ -136,6 +164,24 @@ class PerAttemptStore(RendezvousHandler):
         )
         return f"{attempt} {host}:{self._server.port}"
 
+    def _service_for_this_attempt(self, host: str, nodes: int) -> str:
+        """On rank 0: start this attempt's JAX coordination service (the previous one stops)
+        for ``nodes x nproc_per_node`` workers on ``host``; its ``host:port``, or ``""`` when
+        none is started (no ``nproc_per_node``)."""
+        self._stop_service()
+        if self._nproc_per_node is None:
+            return ""
+        from tpu_dist.collectives import start_coordination_service
+
+        self._service, address = start_coordination_service(host, nodes * self._nproc_per_node)
+        logger.debug("tpu-launch: JAX coordination service at %s", address)
+        return address
+
+    def _stop_service(self) -> None:
+        service, self._service = self._service, None
+        if service is not None:
+            service.shutdown()
+
     def get_backend(self) -> str:
         return _PREFIX + self._inner.get_backend()  # the registered name (elastic checks it)
 
@@ -159,10 +205,13 @@ class PerAttemptStore(RendezvousHandler):
 
     def shutdown(self) -> bool:
         self._server = None
+        self._stop_service()
         return self._inner.shutdown()
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:
+    config = dict(params.config)
+    nproc = config.pop(NPROC_CONFIG, None)
     inner = RendezvousParameters(
         params.backend.removeprefix(_PREFIX),
         params.endpoint,
@@ -170,10 +219,10 @@ def _create(params: RendezvousParameters) -> RendezvousHandler:
         params.min_nodes,
         params.max_nodes,
         params.local_addr,
-        **params.config,
+        **config,
     )
     handler = rendezvous_handler_registry.create_handler(inner)
-    return PerAttemptStore(handler, params.local_addr)
+    return PerAttemptStore(handler, params.local_addr, None if nproc is None else int(nproc))
 
 
 def wrap_backend(backend: str) -> str:

@@ -15,6 +15,7 @@ Also the ``--dry-run`` report, and the launcher's exit codes:
 from __future__ import annotations
 
 import copy
+import importlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -173,6 +175,8 @@ def elastic_config(spec: LaunchSpec) -> tuple[Any, Callable[..., Any] | str, lis
     config, _, _ = config_from_args(ns)
     # Each attempt's workers get their own c10d store (torch's keys are not per attempt).
     config.rdzv_backend = _rendezvous.wrap_backend(config.rdzv_backend)
+    # ... and node 0's launcher hosts each attempt's JAX coordination service for them.
+    config.rdzv_configs[_rendezvous.NPROC_CONFIG] = spec.nproc_per_node
     if config.log_line_prefix_template is None:
         config.log_line_prefix_template = DEFAULT_LOG_LINE_PREFIX
 
@@ -363,6 +367,9 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     from torch.distributed.launcher.api import elastic_launch
 
     _export(worker_env, verbose)
+    # Node 0 starts a JAX coordination service once the rendezvous is done (_rendezvous):
+    # import JAX meanwhile (~1 s), while elastic sets up.
+    threading.Thread(target=importlib.import_module, args=("jax",), daemon=True).start()
     if not verbose:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietElasticStops())
     config, entrypoint, args = elastic_config(spec)
