@@ -259,10 +259,12 @@ def test_flight_recorder_dump_and_analyzer(scenarios) -> None:
 
 
 def _async_work_nobody_waits_on(rank: int, world_size: int) -> dict:
-    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=2))
+    # The timeout leaves room for a loaded machine (every scenario of this module runs at
+    # once, beside another module): the ranks' arrival and a cold compile fit in 5 s.
+    group = dist.new_group(list(range(world_size)), timeout=datetime.timedelta(seconds=5))
     t = torch.full((1000,), float(rank + 1))
     work = dist.all_reduce(t, group=group, async_op=True)
-    time.sleep(5)  # past the group's 2 s timeout; nobody calls work.wait()
+    time.sleep(8)  # past the group's 5 s timeout; nobody calls work.wait()
     seen = t.tolist()  # read before is_completed(), which would itself complete the work
     return {"values": sorted(set(seen)), "completed": work.is_completed(), "ok": work.is_success()}
 

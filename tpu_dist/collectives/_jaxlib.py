@@ -27,8 +27,8 @@ JAX's persistent cache    compile_time_secs`` (``jax._src.config``)      written
 Two private calls have no public fallback, because JAX has no public way to do what they do:
 ``jax.distributed.initialize`` always starts the coordination service inside process 0. A
 service that outlives every rank (tpu-launch's, so that rank 0's death does not end the others)
-is started with :func:`start_coordination_service` (``_jax.get_distributed_runtime_service``),
-and each rank, rank 0 included, joins it with :func:`connect_to_service`, which does what
+is started with ``_service.start_coordination_service`` (``_jax.get_distributed_runtime_service``,
+kept out of this module so that a launcher need not import JAX), and each rank, rank 0 included, joins it with :func:`connect_to_service`, which does what
 ``jax.distributed.initialize`` does for a process other than 0 (``_jax.
 get_distributed_runtime_client``, ``connect``, then JAX's ``distributed.global_state``). When
 either is missing or changed they raise a ``RuntimeError`` that says so and how to do without
@@ -47,6 +47,8 @@ from collections.abc import Callable, Iterator, Sequence
 import jax
 import numpy as np
 import torch
+
+from tpu_dist.collectives._service import no_service_api
 
 logger = logging.getLogger(__name__)
 
@@ -260,44 +262,6 @@ def load_onto(
         return None
 
 
-def _no_service_api(what: str, err: object) -> RuntimeError:
-    return RuntimeError(
-        f"tpu_dist cannot {what} with this jax/jaxlib ({jax.__version__}): its private "
-        f"distributed-runtime API differs from the one tpu_dist was written for (jax 0.10): "
-        f"{err}. Unset TPU_DIST_COORDINATION_SERVICE (rank 0 then hosts JAX's coordination "
-        "service, as jax.distributed.initialize does), or install jax 0.10."
-    )
-
-
-def start_coordination_service(
-    bind_address: str, num_processes: int, *, heartbeat_timeout_s: int, shutdown_timeout_s: int
-) -> object:
-    """Start JAX's coordination service (gRPC) in this process, listening on ``bind_address``
-    (``host:port``) for ``num_processes`` clients; the returned object stops it with
-    ``shutdown()`` (or when it is garbage-collected).
-
-    Recoverable (the ``jax_enable_recoverability`` option of ``jax.distributed``): a client
-    that exits or dies is not an error the service passes on to the others, and there is no
-    shutdown barrier. What JAX's ``State.initialize`` does on process 0, without a client.
-
-    Raises:
-        RuntimeError: this jaxlib has no such call, or a different signature.
-    """
-    make = getattr(_lib, "get_distributed_runtime_service", None)
-    if make is None:
-        raise _no_service_api("start a coordination service", "no get_distributed_runtime_service")
-    try:
-        return make(
-            bind_address,
-            num_processes,
-            heartbeat_timeout=heartbeat_timeout_s,
-            shutdown_timeout=shutdown_timeout_s,
-            recoverable=True,
-        )
-    except TypeError as err:
-        raise _no_service_api("start a coordination service", err) from err
-
-
 def connect_to_service(
     address: str,
     process_id: int,
@@ -322,7 +286,7 @@ def connect_to_service(
     make = getattr(_lib, "get_distributed_runtime_client", None)
     state = getattr(_distributed, "global_state", None)
     if make is None or state is None or _xla_bridge is None:
-        raise _no_service_api(
+        raise no_service_api(
             "connect to a coordination service", "no get_distributed_runtime_client or global_state"
         )
     if _xla_bridge.backends_are_initialized():
@@ -342,7 +306,7 @@ def connect_to_service(
             heartbeat_timeout=heartbeat_timeout_s,
         )
     except TypeError as err:
-        raise _no_service_api("connect to a coordination service", err) from err
+        raise no_service_api("connect to a coordination service", err) from err
     client.connect()
     state.client = client
     state.process_id = process_id

@@ -76,6 +76,12 @@ import torch.distributed as dist
 
 from tpu_dist import _settings
 from tpu_dist.collectives import _jaxlib
+from tpu_dist.collectives._service import (
+    JAX_HEARTBEAT_TIMEOUT_S,
+    JAX_SHUTDOWN_TIMEOUT_S,
+    bind_address,
+    free_port,
+)
 
 if TYPE_CHECKING:
     from tpu_dist.collectives import _watchdog
@@ -85,15 +91,6 @@ logger = logging.getLogger(__name__)
 PLATFORM_ENV = _settings.PLATFORM.env
 _COORDINATOR_KEY = "jax_coordinator_address"
 _RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-_BIND_ENV = "JAX_COORDINATOR_BIND_ADDRESS"
-# JAX's heartbeats would end every process after a rank stopped answering for this long (or
-# when rank 0's service went away): long enough never to fire. tpu_dist's watchdog decides.
-_JAX_HEARTBEAT_TIMEOUT_S = 1_000_000
-JAX_SHUTDOWN_TIMEOUT_S = 10
-"""JAX's shutdown barrier timeout. The service runs recoverable, so there is no shutdown barrier
-and ranks may finish any time apart; had there been one, a rank that finished this much earlier
-than another would abort both at exit (tests/test_launch_faults.py checks ranks finishing
-further apart than this)."""
 
 
 @dataclass(frozen=True)
@@ -270,7 +267,7 @@ class Runtime:
                         rank,
                         world_size,
                         init_timeout_s=init_timeout,
-                        heartbeat_timeout_s=_JAX_HEARTBEAT_TIMEOUT_S,
+                        heartbeat_timeout_s=JAX_HEARTBEAT_TIMEOUT_S,
                     )
                 else:
                     jax.distributed.initialize(
@@ -278,7 +275,7 @@ class Runtime:
                         num_processes=world_size,
                         process_id=rank,
                         initialization_timeout=init_timeout,
-                        heartbeat_timeout_seconds=_JAX_HEARTBEAT_TIMEOUT_S,
+                        heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
                         shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
                         coordinator_bind_address=bind_address(address),
                     )
@@ -437,16 +434,6 @@ def store_prefix() -> str:
     return f"tpu_dist/attempt{attempt()}/"
 
 
-def bind_address(address: str) -> str:
-    """Where a coordination service listens: the address it advertises.
-
-    JAX's default is ``[::]:port``, every interface; tpu_dist binds the advertised host's
-    interface only, so a job told to use 127.0.0.1 stays on loopback.
-    ``JAX_COORDINATOR_BIND_ADDRESS`` (JAX's own variable) wins when set.
-    """
-    return os.environ.get(_BIND_ENV) or address
-
-
 def hosts_service() -> bool:
     """Whether this process hosts JAX's coordination service (:attr:`RuntimeInfo.hosts_service`):
     rank 0 when no service runs outside the ranks; False before the first group."""
@@ -465,34 +452,10 @@ def disconnect() -> None:
         jax.distributed.shutdown()
 
 
-def start_coordination_service(host: str, num_processes: int) -> tuple[object, str]:
-    """Start JAX's coordination service in this process, for ``num_processes`` ranks that
-    run elsewhere: ``(service, "host:port")``. What ``tpu-launch``'s node 0 does for each
-    launch attempt (module doc); hand the address to every rank as
-    ``TPU_DIST_COORDINATION_SERVICE`` and each, rank 0 included, connects as a client only.
-    ``service.shutdown()`` stops it; so does dropping the last reference.
-
-    It listens on ``host`` and a free port (``JAX_COORDINATOR_BIND_ADDRESS`` overrides the
-    bind address, as for JAX), recoverable, with the runtime's heartbeat and shutdown
-    timeouts: a rank that exits or dies is no error for the others.
-
-    Raises:
-        RuntimeError: this jaxlib's private API differs (``_jaxlib.start_coordination_service``).
-    """
-    address = f"{host}:{_free_port()}"
-    service = _jaxlib.start_coordination_service(
-        bind_address(address),
-        num_processes,
-        heartbeat_timeout_s=_JAX_HEARTBEAT_TIMEOUT_S,
-        shutdown_timeout_s=JAX_SHUTDOWN_TIMEOUT_S,
-    )
-    return service, address
-
-
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
     key = store_prefix() + _COORDINATOR_KEY
     if rank == 0:
-        address = _settings.COORDINATOR_ADDRESS.read() or f"{_host_address()}:{_free_port()}"
+        address = _settings.COORDINATOR_ADDRESS.read() or f"{_host_address()}:{free_port()}"
         store.set(key, address)
         return address
     store.wait([key], timeout)
@@ -529,12 +492,6 @@ def _host_address() -> str:
     if master:
         return master
     return socket.gethostbyname(socket.gethostname())
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def global_devices() -> list[jax.Device]:

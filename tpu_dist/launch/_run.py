@@ -15,7 +15,6 @@ Also the ``--dry-run`` report, and the launcher's exit codes:
 from __future__ import annotations
 
 import copy
-import importlib
 import json
 import logging
 import os
@@ -25,7 +24,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -367,9 +365,6 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     from torch.distributed.launcher.api import elastic_launch
 
     _export(worker_env, verbose)
-    # Node 0 starts a JAX coordination service once the rendezvous is done (_rendezvous):
-    # import JAX meanwhile (~1 s), while elastic sets up.
-    threading.Thread(target=importlib.import_module, args=("jax",), daemon=True).start()
     if not verbose:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietElasticStops())
     config, entrypoint, args = elastic_config(spec)
