@@ -173,6 +173,13 @@ class PerAttemptStore(RendezvousHandler):
             return ""
         from tpu_dist.collectives import start_coordination_service
 
+        if "TF_CPP_MIN_LOG_LEVEL" not in os.environ:
+            # The service's gRPC and coordination logs (INFO, and a WARNING on every start
+            # that its recoverable mode is "experimental") would fill the launcher's stderr;
+            # errors still print. The level is this process's (the workers keep theirs).
+            from jaxlib import utils
+
+            utils.absl_set_min_log_level(2)
         self._service, address = start_coordination_service(host, nodes * self._nproc_per_node)
         logger.debug("tpu-launch: JAX coordination service at %s", address)
         return address
