@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_fsdp import Decoder, model_config, parse_args, report_final, train  # noqa: E402
+from train_fsdp import Decoder, leave, model_config, parse_args, report_final, train  # noqa: E402
 
 import tpu_dist  # noqa: E402,F401  (registers the "tpu" backend)
 from tpu_dist.mesh import init_device_mesh  # noqa: E402
@@ -81,7 +81,8 @@ def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True
         parallelize_module(block, tp_mesh, block_plan)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> str:
+    """Train; return the backend the group ran on (the group is destroyed by then)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     args = parse_args(argv, __doc__, extra=lambda p: p.add_argument(
@@ -108,8 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     final, step = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"), loss_context=loss_parallel)
     if rank == 0:
         report_final(final, step)
+    backend = dist.get_backend()
     dist.destroy_process_group()
+    return backend
 
 
 if __name__ == "__main__":
-    main()
+    leave(main())  # on gloo, not Python's teardown: see train_fsdp.leave()
