@@ -378,29 +378,16 @@ def report_final(final: float | None, step: int) -> None:
 
 
 def leave(backend: str) -> None:
-    """End this process (exit code 0) once its gloo group is destroyed: exit handlers, flush, no
-    interpreter teardown. On tpu_dist's backend this returns, and Python exits as usual.
+    """End a finished rank that ran on another backend than tpu_dist's (gloo) without Python's
+    interpreter teardown: threads joined, ``atexit`` handlers run, streams flushed, then
+    ``os._exit(0)``. On "tpu" it returns (tpu_dist orders its own exit).
 
-    Why (torch 2.13, Python 3.11): FSDP2's state keeps the gloo group alive past
-    ``destroy_process_group`` (gloo has no shutdown, and the model's references to the group
-    are held from C++, so no garbage collection frees it), and each of gloo's worker threads
-    drops its last finished collective a moment after the caller's ``wait`` returned. When
-    those tensors belong to Python (DCP's last ``broadcast_object``, ``global_mean``'s
-    ``all_reduce``), dropping them takes the GIL. If the interpreter's teardown has begun by
-    then, Python ends that thread with ``pthread_exit`` inside a ``noexcept`` destructor and the
-    process aborts: ``terminate called without an active exception`` (SIGABRT) after a run that
-    finished. On a loaded host that happened in 6 of 40 and 4 of 25 launches, and 0 of 25 with
-    this (benchmarks/exit_abort.py, README E33).
-
-    So a rank that finished leaves as Python's exit would, up to the teardown: other non-daemon
-    threads are joined, every ``atexit`` handler runs (tpu_dist's, logging's, JAX's, the
-    user's), the standard streams are flushed; what is skipped is the freeing of objects and
-    modules, their ``__del__`` at teardown and C++ static destructors, which the OS reclaims
-    anyway. A failing run never gets here: its exception ends it the ordinary way.
-
-    Not on "tpu": its exit is tpu_dist's to order (rank 0 hosts JAX's coordination service and
-    waits for the others; JAX's client disconnects in the teardown). Measured: with this on
-    "tpu", rank 3 of 4 died with "Failed to disconnect from coordination service".
+    Why: FSDP2 keeps the gloo group alive past ``destroy_process_group``, and a gloo worker
+    thread frees its last collective's tensors a moment after ``wait`` returned; that takes the
+    GIL, and if Python 3.11's teardown has begun, the thread is ended inside a ``noexcept``
+    destructor: ``terminate called without an active exception`` (SIGABRT) after a run that
+    finished, 4-6 of 25-40 launches on a loaded host (torch 2.13; benchmarks/README.md E33).
+    A failing run never gets here: its exception ends it the ordinary way.
     """
     if backend == tpu_dist.BACKEND:
         return
