@@ -46,6 +46,7 @@ through: each attempt's rank 0 starts a new store there anyway.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -177,9 +178,11 @@ class PerAttemptStore(RendezvousHandler):
             # The service's gRPC and coordination logs (INFO, and a WARNING on every start
             # that its recoverable mode is "experimental") would fill the launcher's stderr;
             # errors still print. The level is this process's (the workers keep theirs).
-            from jaxlib import utils
+            # Cosmetic: a jaxlib without the call only prints more.
+            with contextlib.suppress(ImportError, AttributeError):
+                from jaxlib import utils
 
-            utils.absl_set_min_log_level(2)
+                utils.absl_set_min_log_level(2)
         self._service, address = start_coordination_service(host, nodes * self._nproc_per_node)
         logger.debug("tpu-launch: JAX coordination service at %s", address)
         return address
