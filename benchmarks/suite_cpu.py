@@ -7,6 +7,7 @@ be missed; a process that was running before the command counts only the CPU it 
 Every process of the machine is counted, the command's or not: run it on an idle machine.
 
     python benchmarks/suite_cpu.py                      # the whole suite
+    python benchmarks/suite_cpu.py --dump procs.jsonl   # and every process, with its test
     python benchmarks/suite_cpu.py -- python -m pytest -n 2 --dist loadfile tests/test_bench.py
 """
 
@@ -36,6 +37,20 @@ def _read(pid: str) -> tuple[int, float, str] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK, cmd
 
 
+def _test_of(pid: str) -> str:
+    """The test pytest was running when the process started (``PYTEST_CURRENT_TEST``, which
+    children inherit), or ``""``."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = f.read().split(b"\0")
+    except OSError:
+        return ""
+    for item in env:
+        if item.startswith(b"PYTEST_CURRENT_TEST="):
+            return item.split(b"=", 1)[1].decode(errors="replace").split(" ")[0]
+    return ""
+
+
 def kind(cmd: str, parent: str) -> str:
     """The row a process is counted in, from its command line and its parent's."""
     if "multiprocessing.forkserver" in cmd:
@@ -55,8 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", nargs="*",
                         default=[sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadfile", "tests"])
+    parser.add_argument("--dump", metavar="FILE",
+                        help="also write every process (pid, parent, CPU-s, command line, the "
+                        "test that started it) to FILE as JSON lines")
     args = parser.parse_args(argv)
     seen: dict[str, tuple[int, float, str]] = {}
+    tests: dict[str, str] = {}
     before = {pid: got[1] for pid in os.listdir("/proc") if pid.isdigit() and (got := _read(pid))}
     done = threading.Event()
 
@@ -68,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                     if got is not None:
                         ppid, cpu, cmd = got
                         old = seen.get(pid)
+                        if old is None:
+                            tests[pid] = _test_of(pid)
                         cpu -= before.get(pid, 0.0)
                         seen[pid] = (ppid, cpu, cmd if old is None else old[2])
             done.wait(0.3)
@@ -85,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
         row = rows[kind(cmd, parent)]
         row[0] += 1
         row[1] += cpu
+    if args.dump:
+        import json
+
+        with open(args.dump, "w") as f:
+            for pid, (ppid, cpu, cmd) in seen.items():
+                f.write(json.dumps({"pid": int(pid), "ppid": ppid, "cpu": cpu, "cmd": cmd,
+                                    "test": tests.get(pid, "")}) + "\n")
     total = sum(cpu for _, cpu in rows.values())
     print(f"\n{'what':45s} {'processes':>9s} {'CPU-s':>8s}")
     for name, (count, cpu) in sorted(rows.items(), key=lambda item: -item[1][1]):

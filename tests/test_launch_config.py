@@ -245,6 +245,18 @@ def test_emulation_env_and_user_overrides() -> None:
     assert env.shared["TPU_DIST_NUM_SLICES"] == "1" and env.shared["OMP_NUM_THREADS"] == "1"
 
 
+def test_a_coordination_service_of_the_users_own_is_replaced_and_that_is_said() -> None:
+    # tpu-launch starts the service for each attempt and sets these in every worker; a value in
+    # the launcher's environment would otherwise vanish without a word (issue 16).
+    environ = {"TPU_DIST_COORDINATION_SERVICE": "10.0.0.9:8470", "TPU_DIST_LAUNCH_ATTEMPT": "4"}
+    env = compute_worker_env(spec_for(["--emulate", "v5p:2x2x1"], environ=environ), environ)
+    said = [n for n in env.notes if "is replaced for every attempt" in n]
+    assert [n.split("=")[0] for n in said] == ["TPU_DIST_COORDINATION_SERVICE", "TPU_DIST_LAUNCH_ATTEMPT"]
+    assert "'10.0.0.9:8470'" in said[0]
+    assert not [n for n in compute_worker_env(spec_for(["--emulate", "v5p:2x2x1"]), {}).notes
+                if "is replaced" in n]
+
+
 def test_cpu_workers_get_huge_pages_unless_glibc_tunables_is_set() -> None:
     emulated = compute_worker_env(spec_for(["--emulate", "v5p:2x2x1"]), {})
     assert emulated.shared["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"

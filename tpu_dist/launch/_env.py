@@ -41,7 +41,7 @@ from tpu_dist.collectives import DEFAULT_FOR_CPU_ENV
 from tpu_dist.launch._config import LaunchSpec
 from tpu_dist.launch._torchtpu import torchtpu_vars
 
-__all__ = ["ELASTIC_VARS", "HUGE_PAGES_TUNABLE", "WorkerEnv", "compute_worker_env", "elastic_vars"]
+__all__ = ["ATTEMPT_VARS", "ELASTIC_VARS", "HUGE_PAGES_TUNABLE", "WorkerEnv", "compute_worker_env", "elastic_vars"]
 
 #: What CPU workers get as ``GLIBC_TUNABLES`` unless it is set: malloc asks the kernel for
 #: transparent huge pages (``madvise``) for the chunks it maps (large buffers).
@@ -57,6 +57,11 @@ ELASTIC_VARS = (
     "MASTER_PORT",
 )
 """Set per worker by torch.distributed.elastic; a user's value cannot win over these."""
+
+ATTEMPT_VARS = (_settings.COORDINATION_SERVICE.env, _settings.LAUNCH_ATTEMPT.env)
+"""Set for every launch attempt by tpu-launch itself (``_rendezvous.PerAttemptStore``): the
+attempt's JAX coordination service, which node 0's launcher starts, and the attempt's number. A
+user's value cannot win over these either: a fixed service would not be restarted with the job."""
 
 # Variables whose explicit flag beats the environment (the flag's env default is this variable).
 _FLAG_BACKED = {_settings.TOPOLOGY.env: "--emulate", _settings.NUM_SLICES.env: "--num-slices"}
@@ -202,5 +207,12 @@ def compute_worker_env(
             notes.append(
                 f"{var}={environ[var]!r} from your environment is replaced per worker, as under "
                 "torchrun"
+            )
+    for var in ATTEMPT_VARS:
+        if var in environ:
+            notes.append(
+                f"{var}={environ[var]!r} from your environment is replaced for every attempt: "
+                "tpu-launch starts the job's JAX coordination service itself (on node 0's "
+                "launcher, a new one when the job restarts) and numbers the attempts"
             )
     return WorkerEnv(shared=shared, per_rank=tuple(per_rank), notes=tuple(notes))
