@@ -376,4 +376,26 @@ def main(argv: Sequence[str] | None = None) -> None:
             "(--skip-preflight skips the checks)\n"
         )
         sys.exit(2)
-    sys.exit(launch(spec, worker_env, verbose=args.verbose))
+    _leave(launch(spec, worker_env, verbose=args.verbose))
+
+
+def _leave(code: int) -> None:
+    """End the launcher with ``code`` once the job is over, without the interpreter's teardown:
+    ``atexit`` handlers run and the streams are flushed, then ``os._exit``.
+
+    Why: torch.distributed.elastic's threads (the c10d rendezvous's keep-alive, the store
+    clients) may still be inside a TCPStore call when the job ends, for example because another
+    node's launcher, which hosts the rendezvous's store, has already exited. A thread inside a
+    C++ call when Python 3.11 finalizes is ended by force, and the launcher of a job that
+    succeeded then dies of ``terminate called without an active exception`` (SIGABRT, exit -6;
+    seen in ``tests/test_launch_restart.py``'s two-host case).
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(code)
