@@ -392,10 +392,7 @@ def _leave(code: int) -> None:
     """
     import atexit
 
+    from tpu_dist.launch._worker import exit_without_teardown
+
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
-    os._exit(code)
+    exit_without_teardown(code)

@@ -268,6 +268,12 @@ def _leave(code: int) -> None:
             thread.join()
     atexit._run_exitfuncs()
     _flush_open_files()
+    exit_without_teardown(code)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Flush the standard streams and end the process with ``code`` (``os._exit``): no
+    interpreter finalization. The caller has run what must run first (``atexit`` handlers)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
