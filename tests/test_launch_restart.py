@@ -28,8 +28,9 @@ _RESTART_CASES = [("gloo", 0)] + [("tpu", run) for run in range(3)]
 
 @pytest.fixture(scope="module")
 def restarts(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The restarting launches of the tests below, started at once (most of each is waiting:
-    a rank's delay, elastic's restart): name -> (exit code, stdout, stderr, marker path)."""
+    """The launches of the tests below, started at once (most of each is waiting: a rank's
+    delay, elastic's restart, a launcher stopping its workers): name -> (exit code, stdout,
+    stderr, marker path)."""
     tmp = tmp_path_factory.mktemp("restarts")
     launches = {}
     for backend, run in _RESTART_CASES:
@@ -49,6 +50,14 @@ def restarts(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "--nnodes", "2", "--node-rank", str(node), "--master-port", str(port),
             "--nproc-per-node", "1", "--max-restarts", "1",
             WORKER, "fail-once", "--marker", str(marker), "--after-init", "--delay", "2",
+            "--backend", "tpu",
+        ])
+    port = free_port()
+    for node in (0, 1):
+        launches[f"rank0-dies-{node}"] = (None, [
+            "--nnodes", "2", "--node-rank", str(node), "--master-port", str(port),
+            "--nproc-per-node", "1",
+            WORKER, "rank0-dies", "--delay", "1", "--exit-code", "9", "--sleep", "10",
             "--backend", "tpu",
         ])
     ckpt = tmp / "ckpt.pt"
@@ -83,6 +92,29 @@ def test_two_hosts_restart_together_and_resume(restarts: dict) -> None:
     assert "[rank1]:rank 1: failing on purpose (attempt 0)" in out1
     assert re.search(r"^\[rank0\]:RESUMED rank=0 restart=[01] attempt=1 ", out0, re.M), out0
     assert "[rank1]:RESUMED rank=1 restart=1 attempt=1 " in out1
+
+
+def test_rank_0s_death_on_node_0_stops_node_1_like_gloo(restarts: dict) -> None:
+    """Rank 0 (node 0, whose launcher hosts the JAX coordination service) exits 9 while rank 1
+    (node 1) waits in an all_reduce. As on gloo (measured by hand: same outcome and messages),
+    rank 1 catches the error, then its launcher stops it (SIGTERM) for node 0's failure and
+    names that failure. Node 0's launcher keeps the service up until node 1's worker is gone:
+    it used to stop it at once, and JAX's client then ended rank 1 with SIGABRT ("Terminating
+    process because the JAX distributed service detected fatal errors") before its launcher
+    could, so node 1 reported its own rank's SIGABRT."""
+    (code0, out0, err0, _), (code1, out1, err1, _) = (
+        restarts["rank0-dies-0"], restarts["rank0-dies-1"]
+    )
+    assert code0 == 1, err0
+    assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0, " in err0
+    assert "exited with code 9" in err0
+    assert "[rank1]:CAUGHT rank=1 DistBackendError" in out1, out1 + err1
+    assert code1 == 1, err1
+    assert (
+        "tpu-launch: stopped node 1's workers because another host failed: node 0: rank 0 "
+        in err1
+    ), err1
+    assert "SIGABRT" not in err1 and "Terminating process" not in out1 + err1, out1 + err1
 
 
 def test_restarted_job_resumes_from_its_checkpoint_with_the_right_result(restarts: dict) -> None:

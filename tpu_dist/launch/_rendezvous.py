@@ -36,7 +36,11 @@ its workers as ``TPU_DIST_COORDINATION_SERVICE``, and the "tpu" backend's ranks 
 clients only. So the service outlives every worker: rank 0's death fails the collectives it was
 in (the others' ``except`` handlers run, as on gloo) instead of ending every worker at once, as
 it does where rank 0 hosts the service. The previous attempt's service stops when the next
-attempt starts (its workers are gone).
+attempt starts (its workers are gone). The last one is not stopped by elastic's
+``shutdown()`` of the handler, which comes right after this host's workers ended: other hosts'
+workers may still be connected, and JAX ends a client's process (SIGABRT) once its service is
+gone. tpu-launch stops it with :func:`stop_services` once the other hosts' workers are gone too
+(:mod:`._watch`); :func:`hosts_a_service` says whether this launcher must wait for them.
 
 Registered with elastic's rendezvous registry as ``tpu-launch-<backend>`` (:func:`wrap_backend`);
 elastic then takes ``MASTER_ADDR``/``MASTER_PORT`` from the handler, not from the flags.
@@ -64,7 +68,7 @@ from torch.distributed.elastic.rendezvous import (
 
 from tpu_dist import _settings
 
-__all__ = ["PerAttemptStore", "wrap_backend"]
+__all__ = ["PerAttemptStore", "hosts_a_service", "stop_services", "wrap_backend"]
 
 logger = logging.getLogger("tpu_dist.launch")
 
@@ -75,6 +79,8 @@ _ADDRESS_KEY = "tpu_dist/launch/attempt_store"
 """Under it, in the rendezvous's store, rank 0's launcher publishes ``"<attempt> <host>:<port>"``:
 the attempt's number and the store of its workers."""
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
+_services: list[object] = []
+"""The coordination services this launcher started and has not stopped (the current attempt's)."""
 NPROC_CONFIG = "tpu_dist_nproc_per_node"
 """The rendezvous config key (``LaunchConfig.rdzv_configs``) that carries the workers per node
 to :func:`_create`: the coordination service is started for ``nodes x nproc_per_node``."""
@@ -184,12 +190,14 @@ class PerAttemptStore(RendezvousHandler):
 
                 utils.absl_set_min_log_level(2)
         self._service, address = start_coordination_service(host, nodes * self._nproc_per_node)
+        _services.append(self._service)
         logger.debug("tpu-launch: JAX coordination service at %s", address)
         return address
 
     def _stop_service(self) -> None:
         service, self._service = self._service, None
-        if service is not None:
+        if service is not None and service in _services:  # not yet stopped by stop_services
+            _services.remove(service)
             service.shutdown()
 
     def get_backend(self) -> str:
@@ -214,9 +222,22 @@ class PerAttemptStore(RendezvousHandler):
         return self._inner.get_run_id()
 
     def shutdown(self) -> bool:
+        # The attempt's service stays up for other hosts' workers (module docstring).
         self._server = None
-        self._stop_service()
         return self._inner.shutdown()
+
+
+def hosts_a_service() -> bool:
+    """Whether this launcher hosts a coordination service that workers may still use."""
+    return bool(_services)
+
+
+def stop_services() -> None:
+    """Stops the coordination services this launcher started (at its end, once every host's
+    workers are gone). A service that clients are still connected to takes JAX's 5 s grace
+    period to stop, and those clients' processes abort."""
+    while _services:
+        _services.pop().shutdown()
 
 
 def _create(params: RendezvousParameters) -> RendezvousHandler:

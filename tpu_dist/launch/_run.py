@@ -335,6 +335,11 @@ def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+_STOP_MARGIN_S = 5.0
+"""Seconds beyond elastic's shutdown timeout that node 0's launcher waits for another host's
+launcher to stop its workers (its poll interval, signal delivery, process exit)."""
+
+
 def _raise_signal_exception(signum: int, frame: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -364,11 +369,21 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
+    from tpu_dist.launch import _rendezvous
+
     _export(worker_env, verbose)
     if not verbose:
         logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietElasticStops())
     config, entrypoint, args = elastic_config(spec)
     address = _store_address(spec)
+    # How long a launcher hosting the JAX coordination service waits, once its own workers are
+    # gone, for the other hosts' launchers to stop theirs (SIGTERM, then SIGKILL after elastic's
+    # shutdown timeout): their workers abort once the service is gone (._watch).
+    stop_timeout = (config.shutdown_timeout or 30) + _STOP_MARGIN_S
+
+    def stop_wait() -> float:
+        return stop_timeout if _rendezvous.hosts_a_service() else 0.0
+
     watch = (
         JobWatch(
             *address,
@@ -396,7 +411,7 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
         sys.stderr.write(format_failure(spec, err, verbose))
         sys.stderr.flush()
         if watch is not None:
-            watch.report_failure(summary)
+            watch.report_failure(summary, wait_for_stop=stop_wait())
         return 1
     except SignalException as err:
         if watch is not None and watch.remote_failure is not None:
@@ -404,11 +419,15 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
                 f"tpu-launch: stopped node {spec.node_rank}'s workers because another host "
                 f"failed: {watch.remote_failure}\n"
             )
+            watch.report_stopped()
+            watch.wait_until_stopped(stop_wait())
             return 1
         name = signal.Signals(err.sigval).name
         sys.stderr.write(f"tpu-launch: got {name}; stopped node {spec.node_rank}'s workers\n")
         if watch is not None:
-            watch.report_failure(f"node {spec.node_rank}: its launcher got {name}")
+            watch.report_failure(
+                f"node {spec.node_rank}: its launcher got {name}", wait_for_stop=stop_wait()
+            )
         return 128 + int(err.sigval)
     except Exception as err:  # rendezvous errors and the like: say what, exit non-zero
         from torch.distributed.elastic.rendezvous import RendezvousError
@@ -417,9 +436,12 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
             traceback.print_exc()
         sys.stderr.write(f"tpu-launch: {type(err).__name__}: {err}\n")
         if watch is not None:
-            watch.report_failure(f"node {spec.node_rank}: {type(err).__name__}: {err}")
+            watch.report_failure(
+                f"node {spec.node_rank}: {type(err).__name__}: {err}", wait_for_stop=stop_wait()
+            )
         return 1
     finally:
         if watch is not None:
             watch.stop()
+        _rendezvous.stop_services()
         shutil.rmtree(os.environ.pop(_worker.EXIT_TIME_DIR_VAR, ""), ignore_errors=True)

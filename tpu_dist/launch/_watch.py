@@ -8,11 +8,19 @@ that gap with a few keys in the rendezvous store every launcher already reaches 
 
 * a launcher whose worker group failed for good writes ``failed/<node rank>`` with a one-line
   reason (which rank, which exit code) before it exits, and lingers up to
-  :attr:`JobWatch.linger` seconds until every other launcher has acknowledged it, because the
-  store may live in its own process;
+  :attr:`JobWatch.linger` seconds until every other launcher has noticed it, because the store
+  may live in its own process;
 * every launcher polls the store every :attr:`JobWatch.interval` seconds; on seeing another host's
-  failure it acknowledges (``done/<node rank>``), then sends itself SIGTERM, which elastic turns
-  into an orderly stop of the local workers (SIGTERM, then SIGKILL after the shutdown timeout).
+  failure it notes that it noticed (``noticed/<node rank>``), then sends itself SIGTERM, which
+  elastic turns into an orderly stop of the local workers (SIGTERM, then SIGKILL after the
+  shutdown timeout); once they are gone it writes ``stopped/<node rank>`` (:meth:`JobWatch.report_stopped`);
+* the launcher that hosts the job's JAX coordination service (node 0's) must outlive every
+  worker connected to it: JAX's client ends its process with SIGABRT as soon as the service goes
+  away, so the other hosts' workers would die of that instead of their launcher's orderly stop
+  (and before an ``except`` handler of theirs ends). So that launcher, whichever host failed,
+  also waits until every launcher that noticed has stopped its workers
+  (``wait_for_stop`` of :meth:`JobWatch.report_failure`, :meth:`JobWatch.wait_until_stopped`),
+  bounded by the shutdown timeout.
 
 A successful job never touches these keys. Only keys under ``tpu_dist/launch/<run id>/`` are used.
 """
@@ -45,7 +53,7 @@ class JobWatch:
         node_rank: this launcher's rank among the launchers.
         nnodes: number of launchers.
         interval: seconds between polls.
-        linger: seconds :meth:`report_failure` waits for the other launchers' acknowledgements.
+        linger: seconds a failed launcher waits for the other launchers to notice its failure.
         connect_timeout: seconds to wait for the store to come up.
     """
 
@@ -111,30 +119,71 @@ class JobWatch:
                 return
             if failures and not self._stop.is_set():
                 self.remote_failure = "; ".join(failures)
-                try:
-                    store.set(f"{self.prefix}/done/{self.node_rank}", "stopped")
-                except Exception:
-                    pass
+                self._set(f"noticed/{self.node_rank}", "stopping")
                 logger.error("tpu-launch: stopping this host's workers: %s", self.remote_failure)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
-    def report_failure(self, reason: str) -> None:
-        """Tells the other launchers this host failed; waits (bounded) until they noticed."""
+    def _set(self, key: str, value: str) -> bool:
+        """Sets ``<prefix>/<key>`` in the job store; False if the store cannot be reached."""
+        try:
+            store = self._store or self._connect(self.linger)
+            self._store = store
+            store.set(f"{self.prefix}/{key}", value)
+            return True
+        except Exception:
+            return False
+
+    def report_failure(self, reason: str, *, wait_for_stop: float = 0.0) -> None:
+        """Tells the other launchers this host's workers failed (and are gone); waits until
+        they noticed (at most :attr:`linger` s), and with ``wait_for_stop`` > 0 (this launcher
+        hosts the coordination service) also until those that noticed stopped their workers,
+        at most ``wait_for_stop`` s more."""
         self._stop.set()
         if self.remote_failure is not None:
             return  # we are stopping because of someone else; nothing new to tell
-        try:
-            store = self._store or self._connect(self.linger)
-            store.set(f"{self.prefix}/failed/{self.node_rank}", reason)
-            store.set(f"{self.prefix}/done/{self.node_rank}", "failed")
-        except Exception as err:  # best effort: the others fail on their own
-            logger.warning("tpu-launch: could not tell the other hosts about the failure: %s", err)
+        if not (
+            self._set(f"failed/{self.node_rank}", reason)
+            and self._set(f"stopped/{self.node_rank}", "failed")
+        ):  # best effort: the others fail on their own
+            logger.warning("tpu-launch: could not tell the other hosts about the failure")
             return
-        keys = [f"{self.prefix}/done/{rank}" for rank in range(self.nnodes)]
-        deadline = time.monotonic() + self.linger
+        self.wait_until_stopped(wait_for_stop)
+
+    def report_stopped(self) -> None:
+        """Tells the other launchers this host's workers are gone, after it stopped them for
+        another host's failure."""
+        self._stop.set()
+        self._set(f"stopped/{self.node_rank}", "stopped")
+
+    def wait_until_stopped(self, wait_for_stop: float) -> None:
+        """Waits until every other launcher noticed the failure or stopped its workers (at most
+        :attr:`linger` s); with ``wait_for_stop`` > 0, until every other launcher stopped its
+        workers, at most ``wait_for_stop`` s beyond :attr:`linger` for those that noticed (a
+        launcher that did not notice within :attr:`linger` s is taken to be gone)."""
+        store = self._store
+        if store is None:
+            return
+        others = [rank for rank in range(self.nnodes) if rank != self.node_rank]
+        start, poll = time.monotonic(), min(self.interval, 0.2)
         try:
-            while time.monotonic() < deadline and not store.check(keys):
-                time.sleep(min(self.interval, 0.2))
+            while True:
+                stopped = {r for r in others if store.check([f"{self.prefix}/stopped/{r}"])}
+                noticed = {r for r in others if store.check([f"{self.prefix}/noticed/{r}"])}
+                waited = time.monotonic() - start
+                pending = [r for r in others if r not in stopped]
+                if waited < self.linger:
+                    pending = [r for r in pending if wait_for_stop > 0 or r not in noticed]
+                elif waited < self.linger + wait_for_stop:
+                    pending = [r for r in pending if r in noticed]
+                else:
+                    pending = []
+                if not pending:
+                    break
+                time.sleep(poll)
         except Exception:  # the store's host exited: it had noticed
             return
+        if wait_for_stop > 0:
+            # This launcher (node 0's) usually hosts the store as well: stay two polls longer,
+            # so that a launcher waiting on our keys reads them before the store goes away.
+            time.sleep(2 * poll)
