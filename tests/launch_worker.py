@@ -33,7 +33,9 @@ Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the gr
   ``os._exit(--exit-code)`` (no Python teardown, as a crash); the others wait in an all_reduce
   it never joins, catch its error and print ``CAUGHT rank=R <error type>``. A SIGTERM (the
   launcher stopping them once rank 0 failed) is held until then, as a program that saves a
-  checkpoint in its handler would, so the test does not race the launcher's poll.
+  checkpoint in its handler would, so the test does not race the launcher's poll. With
+  ``--kill`` rank 0 ends by SIGKILL instead (as the OOM killer would); with
+  ``--caught-exit-code`` the others exit with that code right after ``CAUGHT``.
 * ``loop``: all_reduce in a loop until killed (for the Ctrl-C test); writes pids to ``--pid-dir``.
 * ``stall``: rank ``--fail-rank`` sleeps ``--sleep`` s while the others wait in a barrier (for
   the Ctrl-C test); writes pids to ``--pid-dir``.
@@ -145,6 +147,8 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
         torch, dist = _init(args.backend)
         if rank == 0:
             time.sleep(args.delay)
+            if args.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
             os._exit(args.exit_code)
         terms: list[int] = []
         signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
@@ -152,6 +156,8 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
             dist.all_reduce(torch.ones(4))
         except Exception as err:  # gloo's connection error; DistBackendError on "tpu"
             print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
+            if args.caught_exit_code is not None:
+                sys.exit(args.caught_exit_code)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if terms:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -211,6 +217,8 @@ def main() -> None:
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--exit-code", type=int, default=3)
     parser.add_argument("--raise", dest="raise_", action="store_true")
+    parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--caught-exit-code", type=int, default=None)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--pid-dir")
     parser.add_argument("--marker")

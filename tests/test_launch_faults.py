@@ -53,6 +53,12 @@ def _fault_launches() -> dict[str, tuple[list[str], dict[str, str] | None]]:
             ["--nproc-per-node", "2", WORKER, "rank0-dies", "--delay", "1", "--exit-code", "9",
              "--sleep", "60", "--backend", backend], None,
         )
+    # Rank 0 is SIGKILLed (as by the OOM killer) while rank 1 waits in an all_reduce; rank 1
+    # exits 4 as soon as its collective fails, usually within the same second.
+    launches["rank0-killed-tpu"] = (
+        ["--nproc-per-node", "2", WORKER, "rank0-dies", "--delay", "1", "--kill",
+         "--caught-exit-code", "4", "--backend", "tpu"], None,
+    )
     # After destroy_process_group(), rank 1 works alone for longer than JAX's shutdown timeout.
     # gloo needs no check: it has no such barrier.
     launches["late-finish-tpu"] = (
@@ -98,6 +104,23 @@ def test_rank_0s_death_is_the_root_cause_and_the_others_handle_it(
     assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
     assert "exited with code 9" in err, err
     assert "rank 1: killed by SIGTERM (stopped by the launcher)" in err, err
+
+
+def test_a_rank_killed_from_outside_is_the_root_cause_not_the_rank_that_exited_for_it(
+    faults: dict,
+) -> None:
+    """SIGKILL is also what the launcher sends a worker that ignores SIGTERM, so a SIGKILLed
+    rank used to be taken for one the launcher stopped, and rank 1, whose exit 4 it caused, was
+    named instead. The launcher knows which workers it signalled (elastic's stop messages).
+    The naming is the launcher's, the same for every backend: "tpu" only."""
+    code, out, err = faults["rank0-killed-tpu"]
+    assert code == 1, err
+    assert "[rank1]:CAUGHT rank=1" in out, out + err
+    assert (
+        "tpu-launch: worker failed: node 0: rank 0 (local rank 0, " in err
+        and "was killed by SIGKILL, not sent by tpu-launch" in err
+    ), err
+    assert "Other ranks: rank 1: exited with code 4" in err, err
 
 
 def test_ranks_that_finish_further_apart_than_jaxs_shutdown_timeout_exit_0(faults: dict) -> None:

@@ -200,25 +200,63 @@ def _export(worker_env: WorkerEnv, verbose: bool) -> None:
         os.environ[_worker.QUIET_GLOO_VAR] = "1"
 
 
-_ELASTIC_STOP_MESSAGES = (
-    "Sending process %s closing signal %s",
+_ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_ELASTIC_SIGNALS = (
+    "Sending process %s closing signal %s",  # a worker started from a command
+    "Closing process %s via signal %s",  # a worker started from a function (--run-path)
+    "Unable to shutdown process %s via %s, forcefully exiting via %s",
+)
+"""elastic's messages as it signals a worker to stop it (the pid is the first argument)."""
+_ELASTIC_STOP_MESSAGES = _ELASTIC_SIGNALS[:2] + (
     "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
 )
+"""The per-worker stop messages the failure report restates (dropped unless --verbose)."""
+
+_stopped_pids: set[int] = set()
+"""Workers this launcher's elastic agent sent a signal to stop (from its log records)."""
 
 
-class _QuietElasticStops(logging.Filter):
-    """Drops elastic's per-worker stop messages (the failure report restates them); every other
-    elastic message, warnings and errors included, passes."""
+class _ElasticStops(logging.Filter):
+    """Notes which workers elastic signals (:data:`_stopped_pids`), and drops its per-worker
+    stop messages when ``quiet``; every other elastic message, warnings and errors included,
+    passes."""
+
+    def __init__(self, quiet: bool) -> None:
+        super().__init__()
+        self.quiet = quiet
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in _ELASTIC_STOP_MESSAGES
+        if record.msg in _ELASTIC_SIGNALS and record.args:
+            _stopped_pids.add(int(record.args[0]))
+        return not (self.quiet and record.msg in _ELASTIC_STOP_MESSAGES)
 
 
 _ERROR_LINES = 6
 """Lines of the failing rank's traceback the failure report shows (its end)."""
 
 
+_STOP_SIGNALS = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
+"""Exit codes of a worker the agent stopped (signals it sends), or one killed from outside."""
+
+
+def _stopped_by_the_launcher(failure: Any) -> bool:
+    """Whether the worker died of a signal this launcher's agent sent it. A worker killed by
+    SIGKILL/SIGTERM/SIGINT that the agent never signalled (the OOM killer, a user's
+    ``kill``) was not; when elastic's stop messages are not logged (its logger's level is
+    above WARNING) every such death counts as the agent's, as torchrun would have it."""
+    if failure.exitcode not in _STOP_SIGNALS:
+        return False
+    if not logging.getLogger(_ELASTIC_LOGGER).isEnabledFor(logging.WARNING):
+        return True
+    return failure.pid in _stopped_pids
+
+
 def _how(failure: Any) -> str:
+    if failure.exitcode in _STOP_SIGNALS and not _stopped_by_the_launcher(failure):
+        return (
+            f"was killed by {failure.signal_name()}, not sent by tpu-launch (the kernel's OOM "
+            "killer, or a kill from outside)"
+        )
     if failure.exitcode is not None and failure.exitcode < 0:
         return f"was killed by {failure.signal_name()}"
     return f"exited with code {failure.exitcode}"
@@ -227,9 +265,11 @@ def _how(failure: Any) -> str:
 def _exit_time(failure: Any) -> tuple[int, float]:
     """When the worker's program ended, as (whole second, exact time): the time tpu-launch's
     worker entry noted (in the folder :data:`._worker.EXIT_TIME_DIR_VAR`), else elastic's
-    timestamp (whole seconds) with no exact time (sorted last within its second: a worker
-    killed by a signal the same second another failed by itself is more often a consequence,
-    e.g. JAX ending the processes whose coordinator, rank 0, left)."""
+    timestamp (whole seconds). Without a noted time a worker killed by a signal from outside
+    (SIGKILL, SIGTERM, SIGINT) sorts first within its second: the others' failures that second
+    are its consequence (their collectives fail at once when a peer on their host dies). Any
+    other signal sorts last: a worker killed by, say, SIGABRT the same second another failed by
+    itself is more often a consequence (JAX ending the processes whose coordinator left)."""
     folder = os.environ.get(_worker.EXIT_TIME_DIR_VAR)
     if folder:
         try:
@@ -238,7 +278,8 @@ def _exit_time(failure: Any) -> tuple[int, float]:
             return int(exact), exact
         except (OSError, ValueError):
             pass
-    return int(failure.timestamp), float("inf")
+    second = int(failure.timestamp)
+    return second, float(second) if failure.exitcode in _STOP_SIGNALS else float("inf")
 
 
 def _root_cause(err: Any) -> tuple[int, Any]:
@@ -247,15 +288,14 @@ def _root_cause(err: Any) -> tuple[int, Any]:
     elastic orders failures by time, and a worker stopped by the agent (SIGTERM, SIGKILL)
     often wrote its error file (a collective failing because the first worker left) before
     the first worker's exit was observed: prefer the earliest worker that exited on its own
-    (any exit code, or a signal the agent does not send, such as SIGABRT or SIGSEGV). Two
-    workers that failed within the same second (the second one's collective failed because the
-    first left) are ordered by the exit times the worker entry noted.
+    (any exit code, or a signal the agent did not send: SIGABRT, SIGSEGV, or a SIGKILL from
+    the OOM killer). Two workers that failed within the same second (the second one's
+    collective failed because the first left) are ordered by :func:`_exit_time`.
     """
-    stopped = (-signal.SIGTERM, -signal.SIGKILL, -signal.SIGINT)
     own = [
         (_exit_time(failure), rank, failure)
         for rank, failure in err.failures.items()
-        if failure.exitcode is not None and failure.exitcode not in stopped
+        if failure.exitcode is not None and not _stopped_by_the_launcher(failure)
     ]
     if not own:
         return err.get_first_failure()
@@ -318,7 +358,7 @@ def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
     outcomes: dict[str, list[int]] = {}
     for r, f in sorted(err.failures.items()):
         if r != rank:
-            how = _how(f) + (" (stopped by the launcher)" if f.exitcode == -signal.SIGTERM else "")
+            how = _how(f) + (" (stopped by the launcher)" if _stopped_by_the_launcher(f) else "")
             outcomes.setdefault(how, []).append(r)
     if outcomes:
         lines.append(
@@ -372,8 +412,7 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     from tpu_dist.launch import _rendezvous
 
     _export(worker_env, verbose)
-    if not verbose:
-        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietElasticStops())
+    logging.getLogger(_ELASTIC_LOGGER).addFilter(_ElasticStops(quiet=not verbose))
     config, entrypoint, args = elastic_config(spec)
     address = _store_address(spec)
     # How long a launcher hosting the JAX coordination service waits, once its own workers are
