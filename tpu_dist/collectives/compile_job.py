@@ -7,8 +7,8 @@ group of that process records its collectives instead of running them
 (:mod:`tpu_dist.collectives._recording`: same checks and programs as the real backend, outputs of
 the right shape, values not meaningful). Afterwards :func:`compile_recorded` compiles each
 distinct recorded program with libtpu's TPU compiler over compile-only TPU devices (``pip install
-libtpu``; no TPU needed; in a child process, so that a compiler crash fails one program, not the
-run), rank ``r`` driving the device that ``tpu-launch`` would give it (the
+libtpu``; no TPU needed; a group that spans slices compiles in a child process, so that a
+compiler crash, seen there, fails one program, not the run), rank ``r`` driving the device that ``tpu-launch`` would give it (the
 chip :class:`tpu_dist.mesh.Topology` places rank ``r`` on), and :class:`CompileReport` says, per
 collective, whether it compiled, the HLO collectives it became, its scratch memory and an
 estimated time per call (:func:`estimate_seconds`).
@@ -260,29 +260,43 @@ def _human_seconds(s: float) -> str:
 _Outcome = tuple  # (compiled, HLO collective ops, seconds, temp bytes, error)
 
 
+def _compile_one(key: Any, by_id: Mapping[int, Any]) -> _Outcome:
+    """Compile ``key``'s program over the devices ``by_id`` names (device id -> libtpu device)."""
+    from tpu_dist.collectives.compile_only import compile_collective
+
+    t0 = time.monotonic()
+    try:
+        result = compile_collective(key, [by_id[d] for d in key.devices])
+        ops = tuple(dict.fromkeys(c.op for c in result.collectives))
+        return (True, ops, time.monotonic() - t0, result.temp_bytes, None)
+    except Exception as err:  # the compiler's own error, reported per program
+        message = " ".join(str(err).split())[:800]
+        return (False, (), time.monotonic() - t0, None, message)
+
+
 def _compile_in_child(conn: Any, spec: str, num_slices: int) -> None:
     """The compiler process: describe the topology once, then compile each key it is sent."""
-    from tpu_dist.collectives.compile_only import compile_collective, topology_devices
+    from tpu_dist.collectives.compile_only import topology_devices
 
     by_id = {d.id: d for d in topology_devices(Topology.parse(spec, num_slices))}
     while True:
         key = conn.recv()
         if key is None:
             return
-        t0 = time.monotonic()
-        try:
-            result = compile_collective(key, [by_id[d] for d in key.devices])
-            ops = tuple(dict.fromkeys(c.op for c in result.collectives))
-            conn.send((True, ops, time.monotonic() - t0, result.temp_bytes, None))
-        except Exception as err:  # the compiler's own error, reported per program
-            message = " ".join(str(err).split())[:800]
-            conn.send((False, (), time.monotonic() - t0, None, message))
+        conn.send(_compile_one(key, by_id))
+
+
+def _spans_slices(key: Any, by_id: Mapping[int, Any]) -> bool:
+    return len({getattr(by_id[d], "slice_index", 0) for d in key.devices}) > 1
 
 
 class _Compiler:
     """Compiles programs in a child process, so that a crash of libtpu's compiler (libtpu
-    0.0.52 dies of SIGILL on some multi-slice groups) fails that program, not the report;
-    a new child takes the next program."""
+    0.0.52 dies of SIGILL on a group over 2 of 4 slices) fails that program, not the report;
+    a new child takes the next program. Only programs whose group spans slices go there
+    (:func:`compile_recorded`): starting the child costs about 2 CPU-s (torch, JAX, libtpu),
+    and groups within a slice compile in the recording process, as they do in
+    :func:`tpu_dist.collectives.compile_only.compile_collective`'s own tests."""
 
     def __init__(self, topology: Topology) -> None:
         self._spec, self._slices = topology.spec, topology.num_slices
@@ -356,14 +370,17 @@ def compile_recorded(
             "compile_recorded: no 'tpu' process group was created in compile-only mode "
             f"({COMPILE_ONLY_ENV}=1 before init_process_group('tpu'))"
         )
-    topology, _ = _world
+    topology, devices = _world
+    by_id = {d.id: d for d in devices}
     programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
     started = time.monotonic()
     distinct = list(dict.fromkeys(c.key for c in calls))
-    compiler = _Compiler(topology)
+    compiler = _Compiler(topology)  # for groups across slices; started on first use
     try:
         for i, key in enumerate(distinct, 1):
-            programs[key] = outcome = compiler.compile(key)
+            programs[key] = outcome = (
+                compiler.compile(key) if _spans_slices(key, by_id) else _compile_one(key, by_id)
+            )
             state = "ok" if outcome[0] else "FAILED"
             progress(
                 f"tpu-launch --compile-only: [{i}/{len(distinct)}] {key.kind} over "
