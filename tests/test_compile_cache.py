@@ -1,8 +1,8 @@
 """tpu_dist.collectives._compile_cache: compiled collective programs kept on disk.
 
 Tier (a), in this process: where the cache lives, and that a directory others could write to
-is refused. Tier (b), fresh single-rank "tpu" worlds (each a process of its own, real JAX and
-XLA, one after another on the same directories): programs come back from the cache equal to
+is refused. Tier (b), fresh single-rank "tpu" worlds (each a process of its own that has
+compiled nothing before, real JAX and XLA, one after another on the same directories): programs come back from the cache equal to
 a fresh compile, a damaged entry is compiled again with a warning, ``TPU_DIST_COMPILE_CACHE=0``
 turns the cache off, and, the regression this file exists for, a program JAX's own persistent
 cache loaded is never stored (XLA:CPU serializes a loaded program without its kernels, and
@@ -95,58 +95,53 @@ def test_directory_of_another_user_is_refused(
 
 # -- tier (b): single-rank worlds, one process each ----------------------------------------
 
-_WORLD = textwrap.dedent(
-    """
-    import json, logging, os, sys
-    import torch, torch.distributed as dist
-    import tpu_dist
+def _single_rank_world(rank: int, world_size: int, jax_cache: str | None) -> dict:
+    """The body of :func:`_run_world`: one all_reduce with a kernel (premul sum) and one
+    without, in a process that has not compiled anything yet."""
+    import jax
+
     from tpu_dist.collectives import _runtime, compile_count
 
-    warnings = []
+    # JAX read the suite's JAX_COMPILATION_CACHE_DIR when the forkserver imported it: this
+    # world's choice must go to its config (the world's environment comes too late for JAX).
+    jax.config.update("jax_compilation_cache_dir", jax_cache)
+    warnings: list[str] = []
 
     class Collect(logging.Handler):
-        def emit(self, record):
+        def emit(self, record: logging.LogRecord) -> None:
             if record.levelno >= logging.WARNING:
                 warnings.append(record.getMessage())
 
-    logging.getLogger("tpu_dist").addHandler(Collect())
-    dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1)
-    x = torch.arange(1, 6, dtype=torch.float32)
-    y = torch.arange(7, dtype=torch.int32)
-    dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.5))  # a kernel: x * 2.5
-    dist.all_reduce(y, op=dist.ReduceOp.MAX)
-    texts = sorted(p.compiled.as_text() for p in _runtime.get().programs.by_key.values())
-    out = {
-        "x": x.tolist(), "y": y.tolist(), "compiled": compile_count(), "warnings": warnings,
+    handler = Collect()
+    logging.getLogger("tpu_dist").addHandler(handler)
+    try:
+        dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1)
+        x = torch.arange(1, 6, dtype=torch.float32)
+        y = torch.arange(7, dtype=torch.int32)
+        dist.all_reduce(x, op=dist._make_nccl_premul_sum(2.5))  # a kernel: x * 2.5
+        dist.all_reduce(y, op=dist.ReduceOp.MAX)
+        texts = sorted(p.compiled.as_text() for p in _runtime.get().programs.by_key.values())
+        compiled = compile_count()
+        dist.destroy_process_group()
+    finally:
+        logging.getLogger("tpu_dist").removeHandler(handler)
+    return {
+        "x": x.tolist(), "y": y.tolist(), "compiled": compiled, "warnings": warnings,
         "programs": len(texts), "texts": texts,
     }
-    dist.destroy_process_group()
-    print("RESULT" + json.dumps(out))
-    """
-)
 
 
 def _run_world(cache: str, jax_cache: Path | None = None, xdg: Path | None = None) -> dict:
-    """One single-rank world in a process of its own; ``xdg``: its ``XDG_CACHE_HOME`` (the
-    default directory's parent; never the user's own)."""
-    env = dict(os.environ)
-    env.update(
-        PYTHONPATH=str(ROOT), TPU_DIST_PLATFORM="cpu", JAX_PLATFORMS="cpu",
-        TPU_DIST_COMPILE_CACHE=cache, XDG_CACHE_HOME=str(xdg or Path(cache).parent / "xdg"),
-    )
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env.pop("XLA_FLAGS", None)
-    if jax_cache is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(jax_cache)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    proc = subprocess.run(
-        [sys.executable, "-c", _WORLD], env=env, capture_output=True, text=True, timeout=180
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, (
-        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
-    )
-    return json.loads(lines[-1][len("RESULT"):])
+    """One single-rank world in a process of its own (forked from the suite's forkserver, which
+    has imported torch and JAX but never started a JAX backend or compiled); ``xdg``: its
+    ``XDG_CACHE_HOME`` (the default directory's parent; never the user's own)."""
+    env = {
+        "TPU_DIST_PLATFORM": "cpu", "TPU_DIST_COMPILE_CACHE": cache,
+        "XDG_CACHE_HOME": str(xdg or Path(cache).parent / "xdg"),
+        "JAX_COMPILATION_CACHE_DIR": None if jax_cache is None else str(jax_cache),
+    }
+    with World(1, backend="tpu", init=False, env=env, timeout=180) as world:
+        return world.run(_single_rank_world, None if jax_cache is None else str(jax_cache))[0]
 
 
 def _expected() -> tuple[list[float], list[int]]:
@@ -226,18 +221,21 @@ def test_programs_loaded_by_jax_persistent_cache_are_not_stored(tmp_path: Path) 
     assert (loaded["x"], loaded["y"]) == _expected() and not loaded["warnings"]
 
 
+def _init_fails(rank: int, world_size: int, cwd: str) -> str:
+    os.chdir(cwd)
+    try:
+        dist.init_process_group("tpu", store=dist.HashStore(), rank=0, world_size=1)
+    except ValueError as err:
+        return f"ValueError: {err}"
+    dist.destroy_process_group()
+    return "no error"
+
+
 def test_malformed_setting_fails_init_naming_the_variable(tmp_path: Path) -> None:
-    env = dict(os.environ)
-    env.update(PYTHONPATH=str(ROOT), TPU_DIST_PLATFORM="cpu", JAX_PLATFORMS="cpu",
-               TPU_DIST_COMPILE_CACHE="relative/dir")
-    script = (
-        "import torch.distributed as dist, tpu_dist\n"
-        "dist.init_process_group('tpu', store=dist.HashStore(), rank=0, world_size=1)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0
-    assert "ValueError: TPU_DIST_COMPILE_CACHE='relative/dir'" in proc.stderr, proc.stderr[-2000:]
+    env = {"TPU_DIST_PLATFORM": "cpu", "TPU_DIST_COMPILE_CACHE": "relative/dir"}
+    with World(1, backend="tpu", init=False, env=env) as world:
+        got = world.run(_init_fails, str(tmp_path))[0]
+    assert got.startswith("ValueError: TPU_DIST_COMPILE_CACHE='relative/dir'"), got
     assert not (tmp_path / "relative").exists()
 
 
