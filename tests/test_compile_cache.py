@@ -2,11 +2,12 @@
 
 Tier (a), in this process: where the cache lives, and that a directory others could write to
 is refused. Tier (b), fresh single-rank "tpu" worlds (each a process of its own that has
-compiled nothing before, real JAX and XLA, one after another on the same directories): programs come back from the cache equal to
-a fresh compile, a damaged entry is compiled again with a warning, ``TPU_DIST_COMPILE_CACHE=0``
-turns the cache off, and, the regression this file exists for, a program JAX's own persistent
-cache loaded is never stored (XLA:CPU serializes a loaded program without its kernels, and
-the next process failed with ``NOT_FOUND: Function ... not found`` when it ran it).
+compiled nothing before, real JAX and XLA, one after another on the same directories):
+programs come back from the cache equal to a fresh compile, a damaged entry is compiled again
+with a warning, ``TPU_DIST_COMPILE_CACHE=0`` turns the cache off, and, the regression this file
+exists for, a program JAX's own persistent cache loaded is never stored (XLA:CPU serializes a
+loaded program without its kernels, and the next process failed with ``NOT_FOUND: Function ...
+not found`` when it ran it).
 """
 
 from __future__ import annotations

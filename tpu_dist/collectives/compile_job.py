@@ -8,8 +8,9 @@ group of that process records its collectives instead of running them
 the right shape, values not meaningful). Afterwards :func:`compile_recorded` compiles each
 distinct recorded program with libtpu's TPU compiler over compile-only TPU devices (``pip install
 libtpu``; no TPU needed; a group that spans slices compiles in a child process, so that a
-compiler crash, seen there, fails one program, not the run), rank ``r`` driving the device that ``tpu-launch`` would give it (the
-chip :class:`tpu_dist.mesh.Topology` places rank ``r`` on), and :class:`CompileReport` says, per
+compiler crash, seen there, fails one program, not the run), rank ``r`` driving the device
+that ``tpu-launch`` would give it (the chip :class:`tpu_dist.mesh.Topology` places rank ``r``
+on), and :class:`CompileReport` says, per
 collective, whether it compiled, the HLO collectives it became, its scratch memory and an
 estimated time per call (:func:`estimate_seconds`).
 

@@ -412,7 +412,10 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     from tpu_dist.launch import _rendezvous
 
     _export(worker_env, verbose)
-    logging.getLogger(_ELASTIC_LOGGER).addFilter(_ElasticStops(quiet=not verbose))
+    elastic_logger = logging.getLogger(_ELASTIC_LOGGER)
+    for old in [f for f in elastic_logger.filters if isinstance(f, _ElasticStops)]:
+        elastic_logger.removeFilter(old)  # an earlier launch() of this process
+    elastic_logger.addFilter(_ElasticStops(quiet=not verbose))
     config, entrypoint, args = elastic_config(spec)
     address = _store_address(spec)
     # How long a launcher hosting the JAX coordination service waits, once its own workers are

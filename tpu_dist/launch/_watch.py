@@ -13,7 +13,8 @@ that gap with a few keys in the rendezvous store every launcher already reaches 
 * every launcher polls the store every :attr:`JobWatch.interval` seconds; on seeing another host's
   failure it notes that it noticed (``noticed/<node rank>``), then sends itself SIGTERM, which
   elastic turns into an orderly stop of the local workers (SIGTERM, then SIGKILL after the
-  shutdown timeout); once they are gone it writes ``stopped/<node rank>`` (:meth:`JobWatch.report_stopped`);
+  shutdown timeout); once they are gone it writes ``stopped/<node rank>``
+  (:meth:`JobWatch.report_stopped`);
 * the launcher that hosts the job's JAX coordination service (node 0's) must outlive every
   worker connected to it: JAX's client ends its process with SIGABRT as soon as the service goes
   away, so the other hosts' workers would die of that instead of their launcher's orderly stop
