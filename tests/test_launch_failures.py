@@ -256,3 +256,35 @@ def test_root_cause_orders_failures_of_the_same_second_by_exit_time(
     failures[2].timestamp = 999
     report = format_failure(spec, ChildFailedError("train.py", failures)).splitlines()
     assert "rank 2 (local rank 2, pid 102) was killed by SIGABRT" in report[0]
+
+
+def test_a_rank_killed_from_outside_comes_before_the_exits_elastic_noticed_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 is SIGKILLed from outside (its pid is not among those the launcher signalled);
+    rank 1's collective fails and it exits 4 at 1000.98; elastic notices both at 1001.02, so
+    the killed rank's only time is second 1001. It died before that look, and rank 1 exited
+    because of it: rank 0 is named, also across the turn of the second. An exit noted two
+    seconds before the look is no consequence of it, and comes first."""
+    import signal as sig
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from tpu_dist.launch import _run, parse_args, resolve
+    from tpu_dist.launch._discovery import Discovery
+    from tpu_dist.launch._run import format_failure
+    from tpu_dist.launch._worker import EXIT_TIME_DIR_VAR
+
+    spec = resolve(parse_args(["--nproc-per-node", "2", "train.py"], {}), Discovery(on_tpu=False), {})
+    monkeypatch.setenv(EXIT_TIME_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr(_run, "_stopped_pids", set())
+    missing = str(tmp_path / "none.json")
+    killed = ProcessFailure(local_rank=0, pid=100, exitcode=-sig.SIGKILL, error_file=missing)
+    killed.timestamp = 1001
+    exited = ProcessFailure(local_rank=1, pid=101, exitcode=4, error_file=missing)
+    exited.timestamp = 1001
+    for ended, named in ((1000.98, "rank 0 (local rank 0, pid 100) was killed by SIGKILL, not sent"),
+                         (998.5, "rank 1 (local rank 1, pid 101) exited with code 4")):
+        (tmp_path / "101").write_text(f"{ended:.6f}\n")
+        report = format_failure(spec, ChildFailedError("train.py", {0: killed, 1: exited}))
+        assert report.splitlines()[0].startswith(f"tpu-launch: worker failed: node 0: {named}"), report

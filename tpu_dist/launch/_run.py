@@ -265,11 +265,14 @@ def _how(failure: Any) -> str:
 def _exit_time(failure: Any) -> tuple[int, float]:
     """When the worker's program ended, as (whole second, exact time): the time tpu-launch's
     worker entry noted (in the folder :data:`._worker.EXIT_TIME_DIR_VAR`), else elastic's
-    timestamp (whole seconds). Without a noted time a worker killed by a signal from outside
-    (SIGKILL, SIGTERM, SIGINT) sorts first within its second: the others' failures that second
-    are its consequence (their collectives fail at once when a peer on their host dies). Any
-    other signal sorts last: a worker killed by, say, SIGABRT the same second another failed by
-    itself is more often a consequence (JAX ending the processes whose coordinator left)."""
+    timestamp (whole seconds, taken when elastic noticed the exit). Without a noted time a
+    worker killed by a signal from outside (SIGKILL, SIGTERM, SIGINT) counts as dead one second
+    before elastic noticed, first within that second: it died at some time before, and the
+    others' failures noticed with it are its consequence (their collectives fail at once when a
+    peer on their host dies), even when the second turned between their exits and elastic's
+    look. Any other signal sorts last within its second: a worker killed by, say, SIGABRT the
+    same second another failed by itself is more often a consequence (JAX ending the processes
+    whose coordinator left)."""
     folder = os.environ.get(_worker.EXIT_TIME_DIR_VAR)
     if folder:
         try:
@@ -279,7 +282,9 @@ def _exit_time(failure: Any) -> tuple[int, float]:
         except (OSError, ValueError):
             pass
     second = int(failure.timestamp)
-    return second, float(second) if failure.exitcode in _STOP_SIGNALS else float("inf")
+    if failure.exitcode in _STOP_SIGNALS:
+        return second - 1, float(second - 1)
+    return second, float("inf")
 
 
 def _root_cause(err: Any) -> tuple[int, Any]:
