@@ -200,6 +200,9 @@ def test_multi_node_restarts_use_c10d() -> None:
     assert any("every node restarts together" in n for n in spec.notes)
     explicit = spec_for(["--nnodes", "2", "--max-restarts", "1", "--rdzv-backend", "static"])
     assert explicit.rdzv_backend == "static"
+    # Kept, and said what it means (measured: a healthy node outside any collective does not
+    # restart, and the failed node's attempt 1 waits for it).
+    assert any("a node restarts only when its own workers fail" in n for n in explicit.notes)
 
 
 # -- per-worker environment --------------------------------------------------------------------

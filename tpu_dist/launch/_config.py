@@ -448,6 +448,15 @@ def resolve(
                 f"rendezvous at {endpoint} so that every node restarts together (the static "
                 "rendezvous cannot); node ranks are then assigned by the rendezvous"
             )
+        elif backend == "static" and args.max_restarts > 0 and max_nodes > 1:
+            notes.append(
+                f"--rdzv-backend static with --max-restarts {args.max_restarts} on {max_nodes} "
+                "nodes: a node restarts only when its own workers fail. Another node's "
+                "failure restarts this one only if its workers were in a collective with the "
+                "failed ones (theirs then fail too); otherwise the restarted node waits for "
+                "the others until the rendezvous timeout. Leave --rdzv-backend unset (c10d) "
+                "so that every node restarts together"
+            )
     prov["rdzv_backend"] = (
         _flag_label("--rdzv-backend", "rdzv_backend", env) if args.rdzv_backend else "default"
     )
