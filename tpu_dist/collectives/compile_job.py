@@ -10,9 +10,8 @@ distinct recorded program with libtpu's TPU compiler over compile-only TPU devic
 libtpu``; no TPU needed; a group that spans slices compiles in a child process, so that a
 compiler crash, seen there, fails one program, not the run), rank ``r`` driving the device
 that ``tpu-launch`` would give it (the chip :class:`tpu_dist.mesh.Topology` places rank ``r``
-on), and :class:`CompileReport` says, per
-collective, whether it compiled, the HLO collectives it became, its scratch memory and an
-estimated time per call (:func:`estimate_seconds`).
+on), and :class:`CompileReport` says, per collective, whether it compiled, the HLO collectives
+it became, its scratch memory and an estimated time per call (:func:`estimate_seconds`).
 
 Only the process that runs the script calls any of this; there are no peers.
 """
