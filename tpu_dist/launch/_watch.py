@@ -125,15 +125,15 @@ class JobWatch:
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
 
-    def _set(self, key: str, value: str) -> bool:
-        """Sets ``<prefix>/<key>`` in the job store; False if the store cannot be reached."""
+    def _set(self, key: str, value: str) -> Exception | None:
+        """Sets ``<prefix>/<key>`` in the job store; the error if the store cannot be reached."""
         try:
             store = self._store or self._connect(self.linger)
             self._store = store
             store.set(f"{self.prefix}/{key}", value)
-            return True
-        except Exception:
-            return False
+        except Exception as err:
+            return err
+        return None
 
     def report_failure(self, reason: str, *, wait_for_stop: float = 0.0) -> None:
         """Tells the other launchers this host's workers failed (and are gone); waits until
@@ -143,11 +143,11 @@ class JobWatch:
         self._stop.set()
         if self.remote_failure is not None:
             return  # we are stopping because of someone else; nothing new to tell
-        if not (
-            self._set(f"failed/{self.node_rank}", reason)
-            and self._set(f"stopped/{self.node_rank}", "failed")
-        ):  # best effort: the others fail on their own
-            logger.warning("tpu-launch: could not tell the other hosts about the failure")
+        err = self._set(f"failed/{self.node_rank}", reason) or self._set(
+            f"stopped/{self.node_rank}", "failed"
+        )
+        if err is not None:  # best effort: the others fail on their own
+            logger.warning("tpu-launch: could not tell the other hosts about the failure: %s", err)
             return
         self.wait_until_stopped(wait_for_stop)
 
