@@ -60,6 +60,19 @@ class Dispatcher:
     this thread has programs to start, every other one of the process starts here too
     (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread hop.
 
+    Programs started from different threads. XLA:CPU runs the programs one thread starts in
+    that order, but a program started from another thread does not wait for them: it can run
+    while they do (measured, jaxlib 0.10.2: an inline program finished while an all_reduce the
+    helper thread had started was still running). Programs whose messages carry no order of
+    their own then meet the wrong peer message: two point-to-point programs between the same
+    pair (gloo sends and receives tagged 0) swapped their data, with no error, or aborted on
+    gloo's size check. So "idle" means more than an empty queue: a program starts inline only
+    when the last program started on its devices was started by this thread or is done
+    (else it starts here, behind it), and this thread waits for a program another thread
+    started inline on the same devices before it starts one there. Programs on other device
+    sets use other communicators and are not held back (threads driving groups over
+    different ranks stay independent, as on gloo).
+
     Groups over the same devices. XLA keys its communicators by the set of devices a program
     runs on (``gloo/<device ids>`` on CPU, one gloo context per set, every message tagged 0),
     so two groups over the same ranks share one communicator, where torch's gloo gives each
@@ -83,6 +96,10 @@ class Dispatcher:
         # order, and the ticket all ranks agreed on that has not been issued here yet.
         self._waiting: dict[tuple[int, ...], dict[Ticket, _Job]] = {}
         self._awaited: dict[tuple[int, ...], Ticket] = {}
+        # Per device set (sorted ids): the thread (ident) that started the last program on it
+        # and that program's result blocks, while it runs ("Programs started from different
+        # threads").
+        self._running: dict[tuple[int, ...], tuple[int, list]] = {}
 
     def submit(
         self, key: ProgramKey, devices, arrays, ticket: Ticket | None = None
@@ -105,10 +122,59 @@ class Dispatcher:
         return future
 
     def run_in_order(self, key: ProgramKey, devices, arrays) -> list:
-        """Start ``key``'s program now, inline, unless earlier ones are still queued here."""
-        if self._queued == 0:
-            return self._rt.programs.run(key, devices, arrays)
+        """Start ``key``'s program now, inline, unless earlier ones are still queued here or
+        a program another thread started on the same devices is still running (then here)."""
+        me, device_set = threading.get_ident(), _device_set(devices)
+        if self._queued == 0 and not self._running_elsewhere(device_set, me):
+            return self._started(device_set, me, self._rt.programs.run(key, devices, arrays))
         return self.submit(key, devices, arrays).result()
+
+    def _started(self, device_set: tuple[int, ...], thread: int, outs: list) -> list:
+        """Note ``outs`` as the last program started on ``device_set`` (by ``thread``)."""
+        running = not _all_ready(outs)
+        with self._lock:
+            if running:
+                self._running[device_set] = (thread, outs)
+            else:
+                self._running.pop(device_set, None)
+        return outs
+
+    def _running_elsewhere(self, device_set: tuple[int, ...], me: int) -> bool:
+        """Whether the last program on ``device_set`` was started by a thread other than
+        ``me`` and is still running.
+
+        A finished one is forgotten (also ``me``'s): its result blocks are not kept alive here
+        (a 1 GiB all_reduce's result is freed when its caller is done with it).
+        """
+        with self._lock:
+            last = self._running.get(device_set)
+        if last is None:
+            return False
+        thread, outs = last
+        if _all_ready(outs):
+            with self._lock:
+                if self._running.get(device_set) is last:
+                    del self._running[device_set]
+            return False
+        return thread != me
+
+    def _wait_for_others(self, device_set: tuple[int, ...], me: int) -> None:
+        """Block until the last program on ``device_set`` is done if a thread other than
+        ``me`` started it (a failure is reported by that program's own work)."""
+        if not self._running_elsewhere(device_set, me):
+            return
+        with self._lock:
+            last = self._running.get(device_set)
+        if last is None:
+            return
+        for out in last[1]:
+            try:
+                out.block_until_ready()
+            except Exception:  # noqa: BLE001 (the failure is reported by its own work)
+                pass
+        with self._lock:
+            if self._running.get(device_set) is last:
+                del self._running[device_set]
 
     def _loop(self) -> None:
         while True:
@@ -119,8 +185,11 @@ class Dispatcher:
                 self._order(job)
 
     def _start(self, job: _Job) -> None:
+        me, device_set = threading.get_ident(), _device_set(job.devices)
+        self._wait_for_others(device_set, me)
         try:
             outs = self._rt.programs.run(job.key, job.devices, job.arrays)
+            self._started(device_set, me, outs)
         except BaseException as err:  # handed to whoever waits on the future
             self._one_started()
             job.future.set_exception(err)
@@ -161,6 +230,7 @@ class Dispatcher:
         ids = tuple(d.id for d in devices)
         key = _plan.program_key("allgather", ids, ((len(offer), "int32"),), (), devices[0].platform)
         mine = self._rt.to_jax(torch.tensor(offer, dtype=torch.int32))
+        self._wait_for_others(ids, threading.get_ident())
         (gathered,) = self._rt.programs.run(key, devices, [mine])
         gathered.block_until_ready()
         rows = self._rt.to_torch(gathered).view(len(ids), len(offer)).tolist()
@@ -169,6 +239,22 @@ class Dispatcher:
     def _one_started(self) -> None:
         with self._lock:
             self._queued -= 1
+
+
+def _device_set(devices: Sequence) -> tuple[int, ...]:
+    """The sorted ids of ``devices``: what XLA keys a program's communicator by."""
+    return tuple(sorted(d.id for d in devices))
+
+
+def _all_ready(outs: list) -> bool:
+    """Whether every result block in ``outs`` is computed (or already handed out and gone)."""
+    for out in outs:
+        try:
+            if not out.is_ready():
+                return False
+        except Exception:  # noqa: BLE001 (deleted after its data was taken: done)
+            continue
+    return True
 
 
 @dataclass
