@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu (pip install libtpu)")
 
-from tpu_dist.collectives.compile_job import estimate_seconds  # noqa: E402
+from tpu_dist.compile_job import estimate_seconds  # noqa: E402
 from tpu_dist.mesh import Topology  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

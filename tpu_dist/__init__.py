@@ -8,11 +8,18 @@ default backend for CPU tensors (:func:`tpu_dist.collectives.make_default_for_cp
 * :mod:`tpu_dist.collectives` - the "tpu" process group.
 * :mod:`tpu_dist.mesh` - TPU topologies and topology-aware device meshes.
 * :mod:`tpu_dist.dtensor_ext` - DTensor <-> JAX interop.
+* :mod:`tpu_dist.compile_job` - compile-only mode: a job's collectives compiled for a TPU
+  topology without a TPU (``tpu-launch --compile-only``).
 * :mod:`tpu_dist.launch` - ``tpu-launch``, the multi-host runner.
+
+The layers, lowest first (each imports only those below it; ``tests/test_layers.py`` checks):
+``mesh`` < ``collectives`` < ``dtensor_ext``, ``compile_job`` < ``launch`` < ``bench``;
+``tpu_dist/ARCHITECTURE.md`` has the map and the life of one collective.
 """
 
 from __future__ import annotations
 
+from tpu_dist import _settings
 from tpu_dist.collectives import register_backend
 
 __version__ = "0.1.0"
@@ -20,5 +27,10 @@ __version__ = "0.1.0"
 BACKEND = register_backend()
 """The name the backend is registered under ("tpu" unless TPU_DIST_BACKEND_NAME is set, "tpu_jax"
 when the name was taken; see :func:`tpu_dist.collectives.registered_name`)."""
+
+if _settings.COMPILE_ONLY.get():  # tpu-launch --compile-only: "tpu" groups record, not run
+    from tpu_dist import compile_job
+
+    compile_job.activate()
 
 __all__ = ["BACKEND", "__version__"]

@@ -39,7 +39,7 @@ first-call times, programs compiled, and the median host overhead.
 
 On TPU devices the table adds ``%exp``: measured busbw over the topology model's bound from
 :mod:`tpu_dist.mesh` (per-generation ICI link and DCN bandwidths; the model is in
-:mod:`tpu_dist.bench._expected`'s docstring, e.g. 600 GB/s for an all_reduce over a v5p 4x4x4).
+:mod:`tpu_dist.mesh._bandwidth`'s docstring, e.g. 600 GB/s for an all_reduce over a v5p 4x4x4).
 
 Output: the table on stdout (a line per size as it is measured; progress on stderr unless
 ``-q``), ``--json PATH`` for the full report (schema ``tpu_dist.bench/1``: config, environment
@@ -55,7 +55,7 @@ from __future__ import annotations
 
 from tpu_dist.bench._cli import launch, main
 from tpu_dist.bench._config import OPS, BenchConfig
-from tpu_dist.bench._expected import Expectation, expected_busbw
+from tpu_dist.mesh import Expectation, expected_busbw
 from tpu_dist.bench._ops import bus_factor
 
 __all__ = ["OPS", "BenchConfig", "Expectation", "bus_factor", "expected_busbw", "launch", "main"]

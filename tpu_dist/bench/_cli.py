@@ -152,7 +152,7 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
         return run_rank(config, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
     import torch.multiprocessing as mp
 
-    from tpu_dist.launch._env import HUGE_PAGES_TUNABLE
+    from tpu_dist.launch import HUGE_PAGES_TUNABLE
 
     # Read by each new process at start; removed again afterwards.
     ours = {"GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}

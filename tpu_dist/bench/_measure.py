@@ -60,14 +60,15 @@ def _backend_names(config: BenchConfig) -> dict[str, str]:
     names = {}
     for backend in config.backends:
         if backend == "tpu":
-            import tpu_dist
+            from tpu_dist.collectives import registered_name
 
-            if not tpu_dist.BACKEND:
+            name = registered_name()
+            if not name:
                 raise RuntimeError(
                     "tpu_dist could not register its backend (the name is taken); set "
                     "TPU_DIST_BACKEND_NAME=tpu_dist and run again."
                 )
-            names[backend] = tpu_dist.BACKEND
+            names[backend] = name
         else:
             names[backend] = backend
     return names
@@ -308,7 +309,7 @@ class _Runner:
         }
         expectation = None
         if self.topology is not None:
-            from tpu_dist.bench._expected import expected_busbw
+            from tpu_dist.mesh import expected_busbw
 
             expectation = expected_busbw(self.topology, range(self.n), op)
         rows = []

@@ -37,22 +37,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from tpu_dist.mesh import BUS_FACTORS, bus_factor
+
 __all__ = ["BUS_FACTORS", "OpCase", "bus_factor", "make_case"]
-
-
-BUS_FACTORS: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather_into_tensor": lambda n: (n - 1) / n,
-    "reduce_scatter_tensor": lambda n: (n - 1) / n,
-    "all_to_all_single": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "send_recv": lambda n: 1.0,
-}
-
-
-def bus_factor(op: str, nranks: int) -> float:
-    """busbw / algbw for ``op`` on ``nranks`` ranks (the table in the module docstring)."""
-    return BUS_FACTORS[op](nranks)
 
 
 @dataclasses.dataclass

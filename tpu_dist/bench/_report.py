@@ -118,7 +118,7 @@ class Row:
     ratio: float | None = None
     """Median time over the reference backend's median time at this size."""
     expected_busbw_gbytes_per_s: float | None = None
-    """TPU devices only: the topology model's bound (:mod:`._expected`)."""
+    """TPU devices only: the topology model's bound (:mod:`tpu_dist.mesh._bandwidth`)."""
     expected_basis: str | None = None
     check: str = "skipped"
     """``ok``, ``skipped`` or what was wrong."""

@@ -40,15 +40,15 @@ from tpu_dist.collectives._timeout import set_timeout
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._backend import ProcessGroupTPU
-    from tpu_dist.collectives._lowering import ProgramKey, compile_count
-    from tpu_dist.collectives._runtime import global_devices
+    from tpu_dist.collectives._runtime import compile_count, global_devices
+    from tpu_dist.collectives._types import ProgramKey
     from tpu_dist.collectives._service import start_coordination_service
 
 # These pull in JAX, so they load on first use: ``import tpu_dist`` stays cheap.
 _LAZY = {
     "ProcessGroupTPU": "tpu_dist.collectives._backend",
-    "compile_count": "tpu_dist.collectives._lowering",
-    "ProgramKey": "tpu_dist.collectives._lowering",
+    "compile_count": "tpu_dist.collectives._runtime",
+    "ProgramKey": "tpu_dist.collectives._types",
     "global_devices": "tpu_dist.collectives._runtime",
     "start_coordination_service": "tpu_dist.collectives._service",
 }

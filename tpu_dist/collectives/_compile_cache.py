@@ -53,7 +53,7 @@ On TPU the compiled code may depend on the physical devices and the ICI links be
 so there each device set keeps entries (and programs) of its own, named by device ids too.
 
 Ranks never disagree on a program: an entry is found only under the digest of the code that
-builds the program (``_lowering.py``, ``_runtime.py``), the program's key and placement, the
+builds the program (:data:`_PROGRAM_CODE`), the program's key and placement, the
 JAX/jaxlib versions, the platform version and ``XLA_FLAGS``/``LIBTPU_INIT_ARGS``; XLA compiles
 the same program to the same code, so a rank that loads runs what a rank that compiles runs.
 
@@ -96,7 +96,7 @@ from tpu_dist import _settings
 from tpu_dist.collectives import _jaxlib
 
 if TYPE_CHECKING:
-    from tpu_dist.collectives._lowering import ProgramKey
+    from tpu_dist.collectives._types import ProgramKey
 
 logger = logging.getLogger(__name__)
 
@@ -192,13 +192,16 @@ def directory(platform: str) -> Path | None:
     return path
 
 
-def _code_fingerprint() -> str:
-    """A digest of the code that builds programs: ``_lowering.py`` and ``_runtime.py``."""
-    from tpu_dist.collectives import _lowering, _runtime
+_PROGRAM_CODE = ("_lowering.py", "_types.py", "_jaxlib.py")
+"""The modules (beside this one) whose code builds programs: bodies, keys, the 64-bit scope."""
 
+
+def _code_fingerprint() -> str:
+    """A digest of the code that builds programs (:data:`_PROGRAM_CODE`)."""
+    here = Path(__file__).parent
     digest = hashlib.sha256()
-    for module in (_lowering, _runtime):
-        digest.update(Path(module.__file__).read_bytes())
+    for name in _PROGRAM_CODE:
+        digest.update((here / name).read_bytes())
     return digest.hexdigest()
 
 

@@ -1,6 +1,7 @@
 """Dispatch: the one ordered way programs of "tpu" groups are started in a process.
 
-Owned by the runtime (``_runtime.get()``), one of each per process:
+Built by the runtime (the composition root, :mod:`._runtime`), one of each per process, and
+handed to every group's pipeline (:mod:`._pipeline`):
 
 * :class:`Dispatcher` starts XLA programs, collectives and point-to-point alike, in the order
   every rank agrees on (inline when it can, else on its helper thread);
@@ -11,7 +12,7 @@ Owned by the runtime (``_runtime.get()``), one of each per process:
 * :class:`DeviceSets` counts the groups over each set of devices: calls on a set that two
   groups share need the ranks to agree on their order first (:class:`Dispatcher`).
 
-The process groups (:mod:`._backend`) plan and track each call, then hand its program here.
+The pipelines plan and track each call, then hand its program here.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from tpu_dist.collectives import _plan
-from tpu_dist.collectives._lowering import ProgramKey
+from tpu_dist.collectives._types import Kind, ProgramKey
 
 if TYPE_CHECKING:
-    from tpu_dist.collectives._runtime import Runtime
+    from tpu_dist.collectives._lowering import ProgramCache
     from tpu_dist.collectives._work import TPUWork
 
 Ticket = tuple[int, int, int]
@@ -86,8 +87,17 @@ class Dispatcher:
     One call starts per round, so every rank starts the same calls in the same order.
     """
 
-    def __init__(self, runtime: Runtime) -> None:
-        self._rt = runtime
+    def __init__(
+        self,
+        programs: ProgramCache,
+        to_jax: Callable[[torch.Tensor], object],
+        to_torch: Callable[[object], torch.Tensor],
+    ) -> None:
+        """``programs``: the process's compiled programs; ``to_jax``/``to_torch``: the runtime's
+        hand-off of a tensor to this rank's device and back (for the order agreement)."""
+        self._programs = programs
+        self._to_jax = to_jax
+        self._to_torch = to_torch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -126,7 +136,7 @@ class Dispatcher:
         a program another thread started on the same devices is still running (then here)."""
         me, device_set = threading.get_ident(), _device_set(devices)
         if self._queued == 0 and not self._running_elsewhere(device_set, me):
-            return self._started(device_set, me, self._rt.programs.run(key, devices, arrays))
+            return self._started(device_set, me, self._programs.run(key, devices, arrays))
         return self.submit(key, devices, arrays).result()
 
     def _started(self, device_set: tuple[int, ...], thread: int, outs: list) -> list:
@@ -188,7 +198,7 @@ class Dispatcher:
         me, device_set = threading.get_ident(), _device_set(job.devices)
         self._wait_for_others(device_set, me)
         try:
-            outs = self._rt.programs.run(job.key, job.devices, job.arrays)
+            outs = self._programs.run(job.key, job.devices, job.arrays)
             self._started(device_set, me, outs)
         except BaseException as err:  # handed to whoever waits on the future
             self._one_started()
@@ -228,12 +238,12 @@ class Dispatcher:
     def _agree(self, devices: list, offer: Ticket) -> list[Ticket]:
         """All-gather every rank's offered ticket over ``devices`` (sorted by id)."""
         ids = tuple(d.id for d in devices)
-        key = _plan.program_key("allgather", ids, ((len(offer), "int32"),), (), devices[0].platform)
-        mine = self._rt.to_jax(torch.tensor(offer, dtype=torch.int32))
+        key = _plan.program_key(Kind.ALLGATHER, ids, ((len(offer), "int32"),), (), devices[0].platform)
+        mine = self._to_jax(torch.tensor(offer, dtype=torch.int32))
         self._wait_for_others(ids, threading.get_ident())
-        (gathered,) = self._rt.programs.run(key, devices, [mine])
+        (gathered,) = self._programs.run(key, devices, [mine])
         gathered.block_until_ready()
-        rows = self._rt.to_torch(gathered).view(len(ids), len(offer)).tolist()
+        rows = self._to_torch(gathered).view(len(ids), len(offer)).tolist()
         return [tuple(row) for row in rows]
 
     def _one_started(self) -> None:

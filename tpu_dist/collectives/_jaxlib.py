@@ -98,6 +98,14 @@ _logged: set[str] = set()
 _log_lock = threading.Lock()
 
 
+
+def x64_scope() -> contextlib.AbstractContextManager:
+    """A thread-local scope in which JAX keeps 64-bit dtypes: JAX truncates int64/float64
+    unless ``jax_enable_x64`` is on, and that flag is the user's; every JAX call of the package
+    runs inside this scope instead, leaving the user's configuration as it was."""
+    return jax.enable_x64(True)
+
+
 def fell_back(name: str, reason: object = None) -> None:
     """Log, once per process, that private call ``name`` is replaced by its public fallback."""
     if name in _logged:

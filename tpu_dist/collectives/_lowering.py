@@ -12,12 +12,12 @@ touches its own block. Example, all_reduce of 3 floats on 2 ranks::
 
 Programs are built once per :class:`ProgramKey` (op, reduce op, group
 devices, block sizes, dtypes) and kept, in memory by the process's
-:class:`ProgramCache` (the runtime's, ``_runtime.get().programs``) and on disk for
+:class:`ProgramCache` (the runtime's ``programs``) and on disk for
 later processes (:mod:`tpu_dist.collectives._compile_cache`). On CPU a program is
 compiled once per key *without* its devices: a group of the same size and layout
 loads the one another group compiled, onto its own devices (~2 ms instead of
 35-320 ms; ``_compile_cache``'s doc says why that is correct there and not on TPU).
-:func:`compile_count` tells how many programs this process has built, so tests can
+:func:`tpu_dist.collectives.compile_count` tells how many programs this process has built, so tests can
 check that a steady loop builds nothing new. The functions that build program
 bodies and lower them are pure: this module keeps no state of its own.
 
@@ -47,34 +47,13 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpu_dist.collectives import _compile_cache, _jaxlib, _runtime
+from tpu_dist.collectives import _compile_cache, _jaxlib
+from tpu_dist.collectives._types import Kind, ProgramKey
 
 logger = logging.getLogger(__name__)
 
 AXIS = "x"
 """The name of the single mesh axis every program runs over."""
-
-
-@dataclass(frozen=True)
-class ProgramKey:
-    """Everything that decides a program's XLA code."""
-
-    kind: str
-    """Which body: "allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast",
-    "scatter", "permute", "barrier"."""
-    devices: tuple[int, ...]
-    """JAX device ids of the group, in group-rank order."""
-    blocks: tuple[tuple[int, str], ...]
-    """(length, dtype name) of each argument's block."""
-    params: tuple = ()
-    """Op-specific constants: reduce op name, root, factor, permutation."""
-    algorithm: str | None = None
-    """How the program carries out its kind: ``"xla"`` (XLA's own collective), ``"exchange"``
-    (direct all-to-all exchanges), ``"gather_reduce"`` (all-gather, then reduce locally); see
-    :data:`tpu_dist.collectives._plan.Algorithm`. The backend's keys always carry the one
-    :func:`~tpu_dist.collectives._plan.choose_algorithm` chose; None (a key built by hand)
-    means "as the backend would choose", which
-    :func:`tpu_dist.collectives.compile_only.compile_collective` resolves for its devices."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +75,7 @@ def mesh_of(devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
 
 class ProgramCache:
     """The compiled programs of one process, by key; owned by the runtime
-    (``_runtime.get().programs``), or made on its own by a test.
+    (its ``programs``), or made on its own by a test.
 
     Programs are built on first use (on CPU loaded from a program compiled here for another
     group of the same size and layout, else from the on-disk compile cache, else compiled)
@@ -174,7 +153,7 @@ class ProgramCache:
             except TypeError as err:  # jaxlib changed the private call: the public one now
                 _jaxlib.execute_failed(err)
                 found = self.by_key[key] = Program(found.compiled, None)
-        with _runtime.x64_scope():
+        with _jaxlib.x64_scope():
             _, sharding = self.mesh_for(devices)
             size = len(devices)
             global_args = [
@@ -235,7 +214,7 @@ class ProgramCache:
         (it serves other groups, or goes to the on-disk cache), also return it serialized, and
         with ``store`` put it in the on-disk cache."""
         lowered = lower(key, devices, self.mesh_for(devices))
-        with _runtime.x64_scope(), _compile_cache.watch_compile() as watch:
+        with _jaxlib.x64_scope(), _compile_cache.watch_compile() as watch:
             compiled = lowered.compile()
         kept = None
         platform = devices[0].platform
@@ -252,13 +231,6 @@ class ProgramCache:
                 key.kind, watch.reason,
             )
         return compiled, kept
-
-
-def compile_count() -> int:
-    """How many collective programs this process has built: compiled, or loaded compiled (on
-    CPU, a program this process compiled for another group of the same size; or from the
-    on-disk compile cache, ``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
-    return _runtime.get().programs.compilations
 
 
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
@@ -313,7 +285,7 @@ def lower(
         jax.ShapeDtypeStruct((size * length,), jnp.dtype(dtype), sharding=sharding)
         for length, dtype in key.blocks
     ]
-    with _runtime.x64_scope():
+    with _jaxlib.x64_scope():
         return jax.jit(mapped).lower(*abstract)
 
 
@@ -482,29 +454,29 @@ def _barrier(size: int):
     return body
 
 
-_DIRECT_BODIES: dict[str, Callable] = {
-    "allreduce": _allreduce_direct,
-    "allgather": _allgather_direct,
-    "reduce_scatter": _reduce_scatter_direct,
+_DIRECT_BODIES: dict[Kind, Callable] = {
+    Kind.ALLREDUCE: _allreduce_direct,
+    Kind.ALLGATHER: _allgather_direct,
+    Kind.REDUCE_SCATTER: _reduce_scatter_direct,
 }
 
-_GATHER_REDUCE_BODIES: dict[str, Callable] = {
-    "allreduce": functools.partial(_allreduce, gather_min_max=True),
+_GATHER_REDUCE_BODIES: dict[Kind, Callable] = {
+    Kind.ALLREDUCE: functools.partial(_allreduce, gather_min_max=True),
 }
 
-_BODIES: dict[str, Callable] = {
-    "allreduce": _allreduce,
-    "reduce_scatter": _reduce_scatter,
-    "allgather": _allgather,
-    "alltoall": _alltoall,
-    "broadcast": _broadcast,
-    "scatter": _scatter,
-    "permute": _permute,
-    "barrier": _barrier,
+_BODIES: dict[Kind, Callable] = {
+    Kind.ALLREDUCE: _allreduce,
+    Kind.REDUCE_SCATTER: _reduce_scatter,
+    Kind.ALLGATHER: _allgather,
+    Kind.ALLTOALL: _alltoall,
+    Kind.BROADCAST: _broadcast,
+    Kind.SCATTER: _scatter,
+    Kind.PERMUTE: _permute,
+    Kind.BARRIER: _barrier,
 }
 
 #: ProgramKey.algorithm -> the body factory of each kind it has a program for.
-_ALGORITHMS: dict[str | None, dict[str, Callable]] = {
+_ALGORITHMS: dict[str | None, dict[Kind, Callable]] = {
     "xla": _BODIES,
     "exchange": _DIRECT_BODIES,
     "gather_reduce": _GATHER_REDUCE_BODIES,

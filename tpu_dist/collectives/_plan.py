@@ -8,7 +8,7 @@ stateless function that
 2. flattens the tensors into the 1-D blocks the program takes (zero-copy views where the
    layout allows: reductions act on values, data movement on raw words),
 3. chooses the program: its kind *and* its algorithm (:func:`choose_algorithm`), both part of
-   the :class:`~tpu_dist.collectives._lowering.ProgramKey`,
+   the :class:`~tpu_dist.collectives._types.ProgramKey`,
 4. and returns them with the finish step that copies the result blocks into the outputs.
 
 Nothing here communicates, touches a JAX device or keeps state: a plan is made from the
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _checks
-from tpu_dist.collectives._lowering import ProgramKey
+from tpu_dist.collectives._types import Kind, ProgramKey
 
 Algorithm = Literal["xla", "exchange", "gather_reduce"]
 """How a program carries out its kind (:attr:`ProgramKey.algorithm`):
@@ -63,7 +63,6 @@ _TPU_EMULATED_DTYPES = frozenset({"float64", "int64", "uint64", "complex64", "co
 collectives then support only part of them (see :func:`choose_algorithm`)."""
 
 _SUMS = frozenset({"SUM", "AVG", "PREMUL_SUM"})
-_REDUCING_KINDS = ("allreduce", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -82,6 +81,8 @@ class GroupView:
     """Global rank of each group rank (for error messages); default: the group ranks."""
     name: str = ""
     """The group's name (for error messages)."""
+    desc: str = ""
+    """The group's description (``mesh_<dim>`` for a DeviceMesh dimension's group)."""
 
     @property
     def global_rank(self) -> int:
@@ -173,12 +174,12 @@ def _itemsize(dtype: str) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_algorithm(
-    kind: str, blocks: tuple[tuple[int, str], ...], params: tuple, platform: str, size: int
+    kind: Kind | str, blocks: tuple[tuple[int, str], ...], params: tuple, platform: str, size: int
 ) -> Algorithm:
     """The algorithm of ``kind``'s program over ``size`` devices of ``platform``.
 
     Args:
-        kind: The program kind (``"allreduce"``, ``"allgather"``, ...).
+        kind: The program kind (a :class:`~._types.Kind`; its value as a string works too).
         blocks: (length, dtype name) of each block, as in :attr:`ProgramKey.blocks`.
         params: The kind's params (a reducing kind's first one is its reduce op name).
         platform: ``"cpu"`` or ``"tpu"``.
@@ -208,26 +209,27 @@ def choose_algorithm(
 
     A group of one device always takes ``"xla"`` for its sums (there is nothing to exchange).
     """
-    reduce_op = params[0] if kind in _REDUCING_KINDS and params else None
-    if platform == "tpu" and kind in _REDUCING_KINDS and any(
+    kind = Kind(kind)
+    reduce_op = params[0] if kind.reduces and params else None
+    if platform == "tpu" and kind.reduces and any(
         dtype in _TPU_EMULATED_DTYPES for _, dtype in blocks
     ):
-        if kind == "reduce_scatter":
+        if kind == Kind.REDUCE_SCATTER:
             return "exchange"
         if reduce_op in ("MAX", "MIN"):
             return "gather_reduce"
     if platform == "cpu" and size >= 2:
-        if kind == "reduce_scatter":
+        if kind == Kind.REDUCE_SCATTER:
             return "exchange"
-        if kind in ("allreduce", "allgather") and blocks and min(n for n, _ in blocks) > 0:
+        if kind in (Kind.ALLREDUCE, Kind.ALLGATHER) and blocks and min(n for n, _ in blocks) > 0:
             per_rank = sum(n * _itemsize(dtype) for n, dtype in blocks)
-            if kind == "allgather":
+            if kind == Kind.ALLGATHER:
                 per_rank *= size
             if per_rank <= DIRECT_EXCHANGE_MAX_BYTES:
                 return "exchange"
-    if kind == "allreduce" and reduce_op is not None and reduce_op not in _SUMS | {"MAX", "MIN"}:
+    if kind == Kind.ALLREDUCE and reduce_op is not None and reduce_op not in _SUMS | {"MAX", "MIN"}:
         return "gather_reduce"
-    if kind == "reduce_scatter" and reduce_op is not None and reduce_op not in _SUMS:
+    if kind == Kind.REDUCE_SCATTER and reduce_op is not None and reduce_op not in _SUMS:
         return "exchange"
     return "xla"
 
@@ -321,7 +323,7 @@ def reduce_params(op_name: str, opts_op: dist.ReduceOp, dtype: torch.dtype) -> t
 def _program(
     group: GroupView,
     op: str,
-    kind: str,
+    kind: Kind,
     params: tuple,
     blocks: Sequence[torch.Tensor],
     finish: Finish,
@@ -438,7 +440,7 @@ def all_reduce(group: GroupView, tensors: Sequence[torch.Tensor], reduce_op: dis
     op = "all_reduce"
     tensor = _checks.check_single(op, tensors)
     params = reduce_params(op, reduce_op, tensor.dtype)
-    return _program(group, op, "allreduce", params, [values(tensor)], _writes([tensor]))
+    return _program(group, op, Kind.ALLREDUCE, params, [values(tensor)], _writes([tensor]))
 
 
 def all_reduce_coalesced(
@@ -452,7 +454,7 @@ def all_reduce_coalesced(
         return _completed(op, [])
     params = _one_kind(op, tensors, reduce_op)
     blocks = [values(t) for t in tensors]
-    return _program(group, op, "allreduce", params, blocks, _writes(tensors))
+    return _program(group, op, Kind.ALLREDUCE, params, blocks, _writes(tensors))
 
 
 def reduce(
@@ -468,7 +470,7 @@ def reduce(
     _checks.check_rank(op, root, group.size, "root")
     params = reduce_params(op, reduce_op, tensor.dtype)
     finish = _writes([tensor]) if group.rank == root else lambda results: [tensor]
-    return _program(group, op, "allreduce", params, [values(tensor)], finish)
+    return _program(group, op, Kind.ALLREDUCE, params, [values(tensor)], finish)
 
 
 # -- all-gather ----------------------------------------------------------------------------
@@ -497,7 +499,7 @@ def all_gather(
     _checks.check_list(op, outputs, group.size, "output tensor list")
     _check_outputs(op, tensor, outputs, "output_tensor_list")
     finish = _scatter_rows(outputs, group.size)
-    return _program(group, op, "allgather", (), [words(tensor)], finish)
+    return _program(group, op, Kind.ALLGATHER, (), [words(tensor)], finish)
 
 
 def all_gather_into_tensor(
@@ -507,7 +509,7 @@ def all_gather_into_tensor(
     op = "all_gather_into_tensor"
     _check_pair(op, group, output, input, "output")
     _checks.check_output(op, output, "output")
-    return _program(group, op, "allgather", (), [words(input)], _writes([output]))
+    return _program(group, op, Kind.ALLGATHER, (), [words(input)], _writes([output]))
 
 
 def all_gather_into_tensor_coalesced(
@@ -518,7 +520,7 @@ def all_gather_into_tensor_coalesced(
     _check_coalesced_pairs(op, group, outputs, inputs, outputs_are_big=True)
     if not inputs:
         return _completed(op, [])
-    return _program(group, op, "allgather", (), [words(t) for t in inputs], _writes(outputs))
+    return _program(group, op, Kind.ALLGATHER, (), [words(t) for t in inputs], _writes(outputs))
 
 
 def all_gather_coalesced(
@@ -553,7 +555,7 @@ def all_gather_coalesced(
                 write(outputs[i], chunk)
         return [out for outputs in output_lists for out in outputs]
 
-    return _program(group, op, "allgather", (), [words(t) for t in input_tensors], finish)
+    return _program(group, op, Kind.ALLGATHER, (), [words(t) for t in input_tensors], finish)
 
 
 def gather(
@@ -583,7 +585,7 @@ def gather(
             f"(root is {root})."
         )
     finish = _scatter_rows(outputs, group.size)
-    return _program(group, op, "allgather", (), [words(tensor)], finish)
+    return _program(group, op, Kind.ALLGATHER, (), [words(tensor)], finish)
 
 
 # -- reduce-scatter ------------------------------------------------------------------------
@@ -607,7 +609,7 @@ def reduce_scatter(
         _checks.check_numel(op, t, output.numel(), f"input_list[{i}]")
     params = reduce_params(op, reduce_op, output.dtype)
     stacked = values(torch.cat([flat(t) for t in inputs]))
-    return _program(group, op, "reduce_scatter", params, [stacked], _writes([output]))
+    return _program(group, op, Kind.REDUCE_SCATTER, params, [stacked], _writes([output]))
 
 
 def reduce_scatter_tensor(
@@ -618,7 +620,7 @@ def reduce_scatter_tensor(
     _check_pair(op, group, input, output, "input")
     _checks.check_output(op, output, "output")
     params = reduce_params(op, reduce_op, input.dtype)
-    return _program(group, op, "reduce_scatter", params, [values(input)], _writes([output]))
+    return _program(group, op, Kind.REDUCE_SCATTER, params, [values(input)], _writes([output]))
 
 
 def reduce_scatter_tensor_coalesced(
@@ -634,7 +636,7 @@ def reduce_scatter_tensor_coalesced(
         return _completed(op, [])
     params = _one_kind(op, inputs, reduce_op)
     blocks = [values(t) for t in inputs]
-    return _program(group, op, "reduce_scatter", params, blocks, _writes(outputs))
+    return _program(group, op, Kind.REDUCE_SCATTER, params, blocks, _writes(outputs))
 
 
 # -- broadcast and scatter -------------------------------------------------------------------
@@ -670,7 +672,7 @@ def broadcast(group: GroupView, tensors: Sequence[torch.Tensor], root: int) -> P
             write(tensor, results[0])
         return [tensor]
 
-    return _program(group, op, "broadcast", (root, True), [words(tensor), header], finish)
+    return _program(group, op, Kind.BROADCAST, (root, True), [words(tensor), header], finish)
 
 
 def scatter(
@@ -705,7 +707,7 @@ def scatter(
             )
         out_words = words(output)
         block = out_words.new_zeros(out_words.numel() * group.size)
-    return _program(group, op, "scatter", (root,), [block], _writes([output]))
+    return _program(group, op, Kind.SCATTER, (root,), [block], _writes([output]))
 
 
 # -- all-to-all ----------------------------------------------------------------------------
@@ -740,7 +742,7 @@ def all_to_all_single(
     if not input_split_sizes and not output_split_sizes:
         _checks.check_splits(op, [], size, in_rows, "input")
         _checks.check_numel(op, output, input.numel(), "output")
-        return _program(group, op, "alltoall", (), [words(input)], _writes([output]))
+        return _program(group, op, Kind.ALLTOALL, (), [words(input)], _writes([output]))
     send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
     recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
     row = word_count(input.new_empty(input.shape[1:]))  # words per row (0 rows: no input[0])
@@ -809,10 +811,10 @@ def _uneven_all_to_all(
             received = results[0].view(size, width)
             return finish([received[peer, : recv_counts[peer]] for peer in range(size)])
 
-        return _program(group, op, "alltoall", (), [rows.view(-1)], unpad)
+        return _program(group, op, Kind.ALLTOALL, (), [rows.view(-1)], unpad)
 
     agree = _program(
-        group, op, "allreduce", ("MAX",), [agreed], lambda results: [agreed.copy_(results[0])]
+        group, op, Kind.ALLREDUCE, ("MAX",), [agreed], lambda results: [agreed.copy_(results[0])]
     )
     return Plan(agree.op, agree.key, agree.blocks, agree.finish, then=padded)
 
@@ -823,7 +825,7 @@ def _uneven_all_to_all(
 def barrier(group: GroupView) -> Plan:
     """``barrier``: a one-word sum over the group; returns no tensors."""
     token = torch.zeros(1, dtype=torch.int32)
-    return _program(group, "barrier", "barrier", (), [token], lambda results: [])
+    return _program(group, "barrier", Kind.BARRIER, (), [token], lambda results: [])
 
 
 def p2p(
@@ -857,7 +859,7 @@ def p2p(
     key = None
     if block.numel():
         key = ProgramKey(
-            "permute",
+            Kind.PERMUTE,
             (group.device_ids[ranks[0]], group.device_ids[ranks[1]]),
             ((block.numel(), DTYPE_NAMES[block.dtype]),),
             ((0, 1),) if src == low else ((1, 0),),

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch.distributed as dist
 
@@ -36,6 +38,30 @@ _registered_name: str | None = None
 _warned = False
 
 
+PipelineSource = Callable[[int, int, list[int], int], tuple[Sequence, Any]]
+"""``(rank, size, global_ranks, world_size) -> (devices, pipeline)`` for a new group
+(:mod:`tpu_dist.collectives.pipelines`)."""
+
+_pipeline_source: PipelineSource | None = None
+
+
+def set_pipeline_source(source: PipelineSource | None) -> None:
+    """Build every "tpu" group created from now on with ``source``'s devices and pipeline
+    instead of the running JAX runtime's; ``None`` restores the backend's own.
+
+    Process-wide (groups already created keep theirs). Compile-only mode
+    (:mod:`tpu_dist.compile_job`) installs its recording pipeline this way; no JAX runtime is
+    started for such groups and they have no watchdog.
+    """
+    global _pipeline_source
+    _pipeline_source = source
+
+
+def pipeline_source() -> PipelineSource | None:
+    """The source :func:`set_pipeline_source` installed, if any."""
+    return _pipeline_source
+
+
 def _create_process_group(
     dist_opts: dist.distributed_c10d._DistributedBackendOptions, backend_opts: object
 ) -> dist.ProcessGroup:
@@ -44,35 +70,42 @@ def _create_process_group(
     JAX is imported here, not when tpu_dist is imported, so that importing
     tpu_dist (the launcher, tools) stays cheap.
     """
-    from tpu_dist.collectives import _runtime, compile_job, flight_recorder
+    from tpu_dist.collectives import _runtime, flight_recorder
     from tpu_dist.collectives._backend import ProcessGroupTPU
 
     rank, size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group)
-    if compile_job.enabled():
-        # tpu-launch --compile-only: record, do not run (no JAX runtime, no watchdog).
-        from tpu_dist.collectives._recording import RecordingProcessGroup
-
-        _, devices = compile_job.world_devices(size if not global_ranks else dist.get_world_size())
+    source = _pipeline_source
+    if source is not None:  # another pipeline (compile-only: record, do not run)
+        world_size = size if not global_ranks else dist.get_world_size()
         global_ranks = global_ranks or list(range(size))
-        return RecordingProcessGroup(
-            rank, size, global_ranks, dist_opts.timeout, [devices[r] for r in global_ranks]
+        devices, pipeline = source(rank, size, global_ranks, world_size)
+        return ProcessGroupTPU(
+            rank, size, global_ranks, dist_opts.timeout, devices=devices, pipeline=pipeline
         )
+    runtime = _runtime.get()
     if not global_ranks:
         # The default group (torch passes no ranks for it): start JAX, or check
         # that the running JAX runtime has this world.
-        runtime = _runtime.get()
         runtime.start(dist_opts.store, rank, size, dist_opts.timeout)
         runtime.start_watchdog(dist_opts.store, rank, size, dist_opts.timeout)
         flight_recorder.install_signal_handler(rank)
         global_ranks = list(range(size))
-    elif _runtime.info() is None:
+    elif runtime.info is None:
         raise RuntimeError(
             "tpu_dist: the first 'tpu' process group must be the default group "
             "(init_process_group('tpu')); got a subgroup of global ranks "
             f"{global_ranks}."
         )
-    return ProcessGroupTPU(rank, size, global_ranks, dist_opts.timeout, dist_opts.store)
+    every = runtime.global_devices()
+    devices = [every[r] for r in global_ranks]
+    watchdog = runtime.watchdog
+    return ProcessGroupTPU(
+        rank, size, global_ranks, dist_opts.timeout, dist_opts.store,
+        devices=devices,
+        pipeline=runtime.pipeline(devices),
+        on_named=watchdog.group_created if watchdog is not None else None,
+    )
 
 
 def _owner(name: str) -> str | None:

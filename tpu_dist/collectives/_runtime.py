@@ -64,9 +64,9 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -75,16 +75,13 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist import _settings
-from tpu_dist.collectives import _jaxlib
+from tpu_dist.collectives import _dispatch, _jaxlib, _lowering, _pipeline, _watchdog, _work
 from tpu_dist.collectives._service import (
     JAX_HEARTBEAT_TIMEOUT_S,
     JAX_SHUTDOWN_TIMEOUT_S,
     bind_address,
     free_port,
 )
-
-if TYPE_CHECKING:
-    from tpu_dist.collectives import _watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +135,8 @@ def _leave_if_stuck() -> None:
 atexit.register(_leave_if_stuck)
 
 
-def x64_scope() -> contextlib.AbstractContextManager:
-    """A thread-local scope in which JAX keeps 64-bit dtypes (see module doc)."""
-    return jax.enable_x64(True)
+x64_scope = _jaxlib.x64_scope
+"""A thread-local scope in which JAX keeps 64-bit dtypes (see module doc)."""
 
 
 def resolve_platform(value: str | None = None) -> str:
@@ -179,14 +175,12 @@ class Runtime:
     (:attr:`programs`), the ordered dispatch of programs and the queue of point-to-point
     ops (:attr:`dispatcher`, :attr:`p2p`, :attr:`device_sets`), the thread that completes
     works whose future was asked for (:attr:`completer`) and the watchdog (:attr:`watchdog`,
-    started by :meth:`start_watchdog`). Process groups keep a reference (``self._rt``); no
-    module of the package keeps per-process state of its own.
+    started by :meth:`start_watchdog`). It is the composition root: it builds each group's
+    pipeline (:meth:`pipeline`) from these parts and hands them down; no module of the
+    package imports it back.
     """
 
     def __init__(self) -> None:
-        # Imported here: they import this module (x64_scope, get) at their top.
-        from tpu_dist.collectives import _dispatch, _lowering, _work
-
         self.lock = threading.Lock()
         """Held while JAX starts."""
         self.info: RuntimeInfo | None = None
@@ -194,7 +188,7 @@ class Runtime:
         self.devices: list[jax.Device] | None = None
         """The JAX device owned by each global rank, indexed by rank (module doc)."""
         self.programs = _lowering.ProgramCache()
-        self.dispatcher = _dispatch.Dispatcher(self)
+        self.dispatcher = _dispatch.Dispatcher(self.programs, self.to_jax, self.to_torch)
         self.p2p = _dispatch.P2PQueue()
         self.device_sets = _dispatch.DeviceSets()
         self.completer = _work.Completer()
@@ -319,14 +313,13 @@ class Runtime:
 
         ``store`` is wrapped in this launch attempt's prefix (:func:`store_prefix`).
         """
-        from tpu_dist.collectives import _watchdog
-
         store = dist.PrefixStore(store_prefix(), store)
         watchdog = self.watchdog
         if watchdog is None:
             watchdog = self.watchdog = _watchdog.Watchdog(
                 store, rank, world_size, _watchdog.policy_from_env(),
                 _watchdog.heartbeat_timeout_from_env(),
+                hosts_service=hosts_service, disconnect=disconnect,
             )
             # Registered after jax.distributed.initialize (the runtime starts first), so it
             # runs before JAX's own exit handlers take the runtime down.
@@ -335,6 +328,36 @@ class Runtime:
             watchdog._store = store
         watchdog.group_timeout = group_timeout.total_seconds()
         return watchdog
+
+    def pipeline(self, devices: Sequence[jax.Device]) -> _pipeline.Pipeline:
+        """A new group's pipeline over ``devices`` (one per group rank), with this process's
+        dispatcher, p2p queue, completion thread and watchdog (the group's track, dispatch and
+        complete stages: :mod:`._pipeline`).
+
+        ``TPU_DIST_TIMEOUT_POLICY=raise`` makes its works poll (the watchdog can interrupt
+        them) and ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every call against the other
+        ranks' first (torch reads the variable when torch.distributed is imported; a value set
+        later, before the group, counts too).
+        """
+        watchdog = self.watchdog  # it read the policy when it started
+        policy = watchdog.policy if watchdog is not None else _watchdog.policy_from_env()
+        check_calls = (
+            dist.get_debug_level() == dist.DebugLevel.DETAIL
+            or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
+        )
+        services = _pipeline.Services(
+            dispatcher=self.dispatcher,
+            p2p=self.p2p,
+            device_sets=self.device_sets,
+            completer=self.completer,
+            watchdog=watchdog,
+            to_jax=self.to_jax,
+            to_torch=self.to_torch,
+            rank=self.info.rank if self.info is not None else 0,
+        )
+        return _pipeline.Pipeline(
+            services, devices, poll=policy == "raise", check_calls=check_calls
+        )
 
     def global_devices(self) -> list[jax.Device]:
         """The JAX device owned by each global rank, indexed by rank.
@@ -492,6 +515,13 @@ def _host_address() -> str:
     if master:
         return master
     return socket.gethostbyname(socket.gethostname())
+
+
+def compile_count() -> int:
+    """How many collective programs this process has built: compiled, or loaded compiled (on
+    CPU, a program this process compiled for another group of the same size; or from the
+    on-disk compile cache, ``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
+    return get().programs.compilations
 
 
 def global_devices() -> list[jax.Device]:

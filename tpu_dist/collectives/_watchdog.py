@@ -40,12 +40,12 @@ launcher hosts it: ``_runtime`` module doc), waits until every other rank has
 exited, died, or is blocked on a collective rank 0 will never join: JAX ends
 any process whose coordination service went away.
 
-Every key lives under the launch attempt's prefix (``_runtime.store_prefix``),
-so a restarted job never reads an earlier attempt's notes.
+Every key lives under the launch attempt's prefix (the runtime hands the watchdog a store
+wrapped in it), so a restarted job never reads an earlier attempt's notes.
 
-The process's one :class:`Watchdog` belongs to the runtime (``_runtime.get().watchdog``,
-started with the default group); :func:`track` is the *track* stage of every call (flight
-recorder, then the watchdog), which the process groups run before dispatch.
+The process's one :class:`Watchdog` belongs to the runtime (started with the default group,
+which hands it to every group's pipeline); :func:`track` is the *track* stage of every call
+(flight recorder, then the watchdog), which the pipelines run before dispatch.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -65,6 +65,7 @@ import torch.distributed as dist
 
 from tpu_dist import _settings
 from tpu_dist.collectives import flight_recorder
+from tpu_dist.collectives._types import Call
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._work import TPUWork
@@ -117,7 +118,15 @@ class Watchdog:
         policy: Policy,
         heartbeat_timeout: float,
         interval: float = 1.0,
+        *,
+        hosts_service: Callable[[], bool] = lambda: False,
+        disconnect: Callable[[], None] = lambda: None,
     ) -> None:
+        """``hosts_service``: whether this process hosts JAX's coordination service (then it
+        waits for the others at exit); ``disconnect``: leaves that service (at exit, before
+        the exit note). Both are the runtime's, handed down by it."""
+        self._hosts_service = hosts_service
+        self._disconnect = disconnect
         self.rank = rank
         self.world_size = world_size
         self.policy = policy
@@ -219,15 +228,13 @@ class Watchdog:
         ranks (see the module docstring).
         """
         self.finish_in_flight()
-        from tpu_dist.collectives import _runtime
-
-        hosts_service = _runtime.hosts_service()
+        hosts_service = self._hosts_service()
         try:
             if not hosts_service and not self._fired:
                 # Leave JAX's coordination service before the exit note: rank 0 stops
                 # waiting on the note, and a disconnect that finds the service gone ends
                 # the process (JAX's client treats it as a fatal error).
-                _runtime.disconnect()
+                self._disconnect()
             self._store.set(f"{_EXITED}{self.rank}", "1")
             # A process that fails (a failed collective, or a non-zero exit code noted by
             # tpu-launch's worker entry) leaves at once, with its own exit code: the job is
@@ -498,15 +505,16 @@ class Watchdog:
 
 
 def explain_failure(
-    watchdog: Watchdog | None, error: BaseException, op: str, group: str, seq: int,
-    group_ranks: list[int], rank: int, wait: float = 3.0,
+    watchdog: Watchdog | None, error: BaseException, call: Call, rank: int, wait: float = 3.0
 ) -> dist.DistBackendError:
-    """Turn a failed XLA collective into a DistBackendError that names the missing ranks.
+    """Turn ``call``'s failed XLA program (on global ``rank``) into a DistBackendError that
+    names the missing ranks.
 
     Every rank whose copy of the collective failed reports in through ``watchdog``'s store;
     the ranks that do not report within ``wait`` seconds are the ones that are gone (a dead
     peer makes every survivor's collective fail at once).
     """
+    op, group, seq, group_ranks = call.op, call.group, call.seq, list(call.ranks)
     where = f"{op} (collective #{seq} of group {group!r}, ranks {group_ranks}) failed on rank {rank}"
     missing: list[int] | None = None
     if watchdog is not None:
@@ -567,31 +575,25 @@ def _pid_state(pid: int) -> str:
     return "stopped" if state in ("T", "t") else "running"
 
 
-def track(
-    watchdog: Watchdog | None,
-    work: TPUWork,
-    group: str,
-    group_ranks: Sequence[int],
-    seq: int,
-    op: str,
-    meta: tuple,
-    params: tuple,
-    timeout: timedelta,
-) -> None:
-    """Record ``work`` in the flight recorder and put it under ``watchdog``: every call, p2p
-    included, before it is dispatched (the first call of a program sets up XLA's
-    communicators inside dispatch and blocks there until every peer arrives).
+def track(watchdog: Watchdog | None, work: TPUWork, call: Call) -> None:
+    """The *track* stage: record ``call`` in the flight recorder and put its ``work`` under
+    ``watchdog``; every call, p2p included, before it is dispatched (the first call of a
+    program sets up XLA's communicators inside dispatch and blocks there until every peer
+    arrives).
 
     Raises:
         torch.distributed.DistBackendError: the group failed earlier (raise policy).
     """
     if watchdog is not None:
-        watchdog.check_usable(group, op)
-    entry = flight_recorder.recorder().record(group, group_ranks, seq, op, meta, params)
+        watchdog.check_usable(call.group, call.op)
+    entry = flight_recorder.recorder().record(
+        call.group, list(call.ranks), call.seq, call.op, call.blocks, call.shown_params
+    )
     if watchdog is not None:
-        watchdog.issued(group, seq)
+        watchdog.issued(call.group, call.seq)
         watchdog.watch(InFlight(
-            work, group, list(group_ranks), seq, op, time.monotonic(), timeout.total_seconds()
+            work, call.group, list(call.ranks), call.seq, call.op, time.monotonic(),
+            call.timeout.total_seconds(),
         ))
 
     def on_done(error: BaseException | None) -> None:

@@ -22,8 +22,9 @@ implies its predecessors' outputs):
 
 * ``work.wait()`` (what every synchronous torch.distributed call does),
 * ``work.is_completed()`` once the arrays are ready,
-* the completion thread (:class:`Completer`, the runtime's), once ``work.get_future()`` has been asked for (DDP
-  comm hooks chain on the future without waiting on the work),
+* the completion thread (:class:`Completer`, the runtime's, handed to the work), once
+  ``work.get_future()`` has been asked for (DDP comm hooks chain on the future without waiting
+  on the work),
 * the watchdog thread, about a second after the program finished, for a work
   nobody waits on (as gloo's and NCCL's outputs appear without ``wait()``),
 * the exit handler, for every work still in flight when the interpreter exits.
@@ -48,7 +49,7 @@ import jax
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _runtime
+from tpu_dist.collectives import _jaxlib
 
 #: Longest sleep between readiness checks of a polled work (TPU_DIST_TIMEOUT_POLICY=raise).
 _MAX_POLL_SLEEP = 2e-4
@@ -82,6 +83,7 @@ class TPUWork(dist._Work):
         explain: Callable[[BaseException], dist.DistBackendError] | None = None,
         complete_earlier: Callable[[], None] | None = None,
         before_wait: Callable[[bool], None] | None = None,
+        completer: Completer | None = None,
     ) -> None:
         """A work in state ``PENDING``.
 
@@ -93,6 +95,8 @@ class TPUWork(dist._Work):
             before_wait: Called with ``block`` before any wait: starts what the work waits on
                 (queued point-to-point ops; the sender of a receive from any source).
                 ``block=False`` for a ``wait(timeout)``: start without waiting inline.
+            completer: The process's completion thread, which completes the work once its
+                future is asked for (:meth:`get_future`).
         """
         super().__init__()
         self._description = description
@@ -111,6 +115,7 @@ class TPUWork(dist._Work):
         self._future: torch.futures.Future | None = None
         self._done_callbacks: list[Callable[[BaseException | None], None]] = []
         self._source: int | None = None
+        self._completer = completer
 
     @classmethod
     def completed(cls, description: str, result: list[torch.Tensor]) -> TPUWork:
@@ -247,7 +252,7 @@ class TPUWork(dist._Work):
                         f"tpu_dist: {self._description} was never started (its program was "
                         "not dispatched); this is a bug in tpu_dist."
                     )
-                with torch.no_grad(), _runtime.x64_scope():
+                with torch.no_grad(), _jaxlib.x64_scope():
                     self._await_arrays()
                     self._result = self._finish(self._arrays)
             except dist.DistBackendError as err:
@@ -261,7 +266,7 @@ class TPUWork(dist._Work):
                     )
                 self._error.__cause__ = err
             self._arrays = []
-            _runtime.release_results()
+            _jaxlib.collect_garbage()  # frees result blocks whose tensors are gone
             self._starting = None
             self._finish = None
             self._state = WorkState.FAILED if self._error is not None else WorkState.DONE
@@ -362,8 +367,10 @@ class TPUWork(dist._Work):
                 self._future = torch.futures.Future()
                 if self._state in _ENDED:
                     self._settle(self._future)
-                else:
-                    _runtime.get().completer.submit(self)
+                elif self._completer is not None:
+                    self._completer.submit(self)
+                else:  # a work made without the runtime's completion thread (tests)
+                    threading.Thread(target=self.complete, daemon=True).start()
             return self._future
 
 

@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from tpu_dist.collectives import _jaxlib, _lowering, _plan, _runtime
+from tpu_dist.collectives import _jaxlib, _lowering, _plan
 from tpu_dist.collectives._lowering import ProgramKey
 
 if TYPE_CHECKING:
@@ -226,7 +226,7 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
         algorithm = _plan.choose_algorithm(key.kind, key.blocks, key.params, platform, len(devices))
         key = dataclasses.replace(key, algorithm=algorithm)
     lowered = _lowering.lower(key, devices)
-    with _runtime.x64_scope(), _jaxlib.uncached():
+    with _jaxlib.x64_scope(), _jaxlib.uncached():
         compiled = lowered.compile()
     text = compiled.as_text()
     try:

@@ -67,7 +67,7 @@ Compile a job's collectives for its TPU topology without a TPU (libtpu's compile
 runs the script once, in one process, as rank ``--compile-rank`` (default 0) of the whole
 world, with "tpu" groups that record collectives instead of running them (values not
 meaningful), then compiles each recorded collective with libtpu's TPU compiler and prints a
-report (:mod:`tpu_dist.collectives.compile_job`). Exit 0 only if the script finished and every
+report (:mod:`tpu_dist.compile_job`). Exit 0 only if the script finished and every
 collective compiled.
 
 How a host finds out where it is
@@ -188,7 +188,7 @@ from tpu_dist.launch._chips import SliceShape, parse_slice
 from tpu_dist.launch._cli import main, parse_args
 from tpu_dist.launch._config import Entrypoint, LaunchSpec, resolve
 from tpu_dist.launch._discovery import Discovery, MetadataClient, discover
-from tpu_dist.launch._env import WorkerEnv, compute_worker_env
+from tpu_dist.launch._env import HUGE_PAGES_TUNABLE, WorkerEnv, compute_worker_env
 from tpu_dist.launch._preflight import Problem, preflight
 from tpu_dist.launch._run import format_dry_run
 from tpu_dist.launch._worker import quiet_gloo_lines
@@ -196,6 +196,7 @@ from tpu_dist.launch._worker import EXIT_CODE_VAR
 
 __all__ = [
     "EXIT_CODE_VAR",
+    "HUGE_PAGES_TUNABLE",
     "Discovery",
     "Entrypoint",
     "LaunchSpec",

@@ -6,7 +6,7 @@ would get on the real job (``RANK``, ``WORLD_SIZE`` = every device of the topolo
 ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` of its host, ``TPU_DIST_TOPOLOGY``,
 ``TPU_DIST_NUM_SLICES``) plus ``TPU_DIST_COMPILE_ONLY=1``. That process hosts a c10d store for
 itself (every rank of the world would otherwise have to connect), runs the script, then compiles
-and reports through :mod:`tpu_dist.collectives.compile_job`.
+and reports through :mod:`tpu_dist.compile_job`.
 
 Exit code: 0 when the script finished (exit 0) and every collective compiled; the script's own
 code when it failed; 1 when a collective did not compile or nothing was recorded; 2 for a bad
@@ -149,14 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
+    from tpu_dist import compile_job
+
+    session = compile_job.activate()
     store = _serve_store()
     started = time.monotonic()
     code = _run_script(mode, target, args)
     script_seconds = time.monotonic() - started
-    from tpu_dist.collectives import compile_job
-
     try:
-        report = compile_job.compile_recorded(rank, script_seconds)
+        report = session.compile(rank, script_seconds)
     except RuntimeError as err:
         print(f"tpu-launch --compile-only: {err}", file=sys.stderr)
         return code or 1

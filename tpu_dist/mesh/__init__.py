@@ -13,6 +13,8 @@ between neighbouring chips and whose outer axes cross DCN; :func:`init_device_me
 
 CPU-emulated ranks get virtual chips from ``TPU_DIST_TOPOLOGY`` / ``TPU_DIST_NUM_SLICES``
 (see :func:`current_topology`). ``python -m tpu_dist.mesh --help`` prints plans.
+:func:`expected_busbw` bounds what a collective over a group can reach on the topology's links
+(the model ``tpu-dist-bench`` and compile-only estimates use).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from tpu_dist.mesh._device_mesh import (
     init_device_mesh,
     mesh_to_jax,
 )
+from tpu_dist.mesh._bandwidth import BUS_FACTORS, Expectation, bus_factor, expected_busbw
 from tpu_dist.mesh._plan import plan_mesh
 from tpu_dist.mesh._generations import (
     Generation,
@@ -34,12 +37,16 @@ from tpu_dist.mesh._generations import (
 from tpu_dist.mesh._topology import Chip, Topology
 
 __all__ = [
+    "BUS_FACTORS",
     "NUM_SLICES_ENV",
     "TOPOLOGY_ENV",
     "Chip",
+    "Expectation",
     "Generation",
     "Topology",
+    "bus_factor",
     "current_topology",
+    "expected_busbw",
     "generations",
     "get_generation",
     "init_device_mesh",

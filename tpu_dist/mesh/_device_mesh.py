@@ -69,7 +69,7 @@ def current_topology(world_size: int | None = None) -> Topology:
 
     1. ``TPU_DIST_TOPOLOGY`` (with ``TPU_DIST_NUM_SLICES``, default 1) if set: an emulated
        topology (``tpu-launch --emulate TYPE`` sets both). Explicit, so it wins.
-    2. The real TPU devices of the "tpu" backend (``tpu_dist.collectives.global_devices()``)
+    2. The real TPU devices of the "tpu" backend (the default group's ``devices``)
        when its process group runs on TPUs.
     3. :meth:`Topology.for_world_size`: a default emulated topology with one device per rank
        (4 ranks: v5p 2x2x1; 8 ranks: v5p 2x2x2).
@@ -110,16 +110,24 @@ def current_topology(world_size: int | None = None) -> Topology:
     return topology
 
 
+def world_devices() -> list | None:
+    """The JAX device of each global rank, indexed by rank, as the default process group
+    lists them when it is a "tpu" group (its ``devices``); None before
+    ``init_process_group`` or when the default group has no JAX devices (gloo).
+
+    Read from the group torch holds, so this layer needs nothing from the backend's modules.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    devices = getattr(dist.group.WORLD, "devices", None)
+    return list(devices) if devices else None
+
+
 def _real_tpu_topology() -> Topology | None:
     """The topology of the "tpu" backend's devices, if it runs on real TPUs; else None."""
-    try:
-        from tpu_dist.collectives import global_devices
-    except ImportError:
-        return None
-    try:
-        devices = global_devices()
-    except RuntimeError:  # The "tpu" backend's runtime has not started.
-        return None
+    devices = world_devices()
     if not devices or getattr(devices[0], "platform", None) != "tpu":
         return None
     return Topology.from_devices(devices)
@@ -229,7 +237,7 @@ def mesh_to_jax(mesh: DeviceMesh, devices: Sequence[Any] | None = None) -> jax.s
     Args:
         mesh: A torch ``DeviceMesh`` (from :func:`init_device_mesh` or any other).
         devices: The JAX device of each global rank, indexed by rank; default:
-            ``tpu_dist.collectives.global_devices()`` (the "tpu" backend's).
+            the default "tpu" process group's (:func:`world_devices`).
 
     Raises:
         RuntimeError: ``devices`` not given and the "tpu" backend has not started.
@@ -238,9 +246,13 @@ def mesh_to_jax(mesh: DeviceMesh, devices: Sequence[Any] | None = None) -> jax.s
     import jax
 
     if devices is None:
-        from tpu_dist.collectives import global_devices
-
-        devices = global_devices()
+        devices = world_devices()
+        if devices is None:
+            raise RuntimeError(
+                "mesh_to_jax needs the JAX device of each rank: call "
+                "dist.init_process_group('tpu') first (a gloo world has no JAX devices), or "
+                "pass devices= (one per global rank)."
+            )
     ranks = mesh.mesh.cpu().numpy()
     if ranks.size and (ranks.min() < 0 or ranks.max() >= len(devices)):
         raise ValueError(

@@ -1,19 +1,12 @@
-"""Compile-only mode: a job's collectives compiled for its TPU topology, without a TPU.
+"""Compiling a compile-only run's recorded programs for TPU, and the report.
 
-``tpu-launch --emulate tpu7x:16x16x16 --compile-only train.py`` runs ``train.py`` once, in one
-process, as one rank (``--compile-rank``, default 0) of the whole world of the topology (8,192
-ranks there). With ``TPU_DIST_COMPILE_ONLY=1`` (which ``tpu-launch`` sets), every "tpu" process
-group of that process records its collectives instead of running them
-(:mod:`tpu_dist.collectives._recording`: same checks and programs as the real backend, outputs of
-the right shape, values not meaningful). Afterwards :func:`compile_recorded` compiles each
-distinct recorded program with libtpu's TPU compiler over compile-only TPU devices (``pip install
-libtpu``; no TPU needed; a group that spans slices compiles in a child process, so that a
-compiler crash, seen there, fails one program, not the run), rank ``r`` driving the device
-that ``tpu-launch`` would give it (the chip :class:`tpu_dist.mesh.Topology` places rank ``r``
-on), and :class:`CompileReport` says, per collective, whether it compiled, the HLO collectives
-it became, its scratch memory and an estimated time per call (:func:`estimate_seconds`).
-
-Only the process that runs the script calls any of this; there are no peers.
+:meth:`Session.compile <tpu_dist.compile_job.Session.compile>` compiles each distinct recorded
+program with libtpu's TPU compiler over compile-only TPU devices (``pip install libtpu``; no TPU
+needed; a group that spans slices compiles in a child process, so that a compiler crash, seen
+there, fails one program, not the run), rank ``r`` driving the device that ``tpu-launch`` would
+give it, and :class:`CompileReport` says, per collective, whether it compiled, the HLO
+collectives it became, its scratch memory and an estimated time per call
+(:func:`estimate_seconds`).
 """
 
 from __future__ import annotations
@@ -23,93 +16,21 @@ import json
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tpu_dist import _settings
-from tpu_dist.mesh import Topology
+from tpu_dist.collectives.pipelines import Kind
+from tpu_dist.mesh import Topology, bus_factor, expected_busbw
 
-__all__ = [
-    "COMPILE_ONLY_ENV",
-    "CompileReport",
-    "CompiledCall",
-    "compile_recorded",
-    "enabled",
-    "estimate_seconds",
-    "world_devices",
-    "write_report",
-]
-
-COMPILE_ONLY_ENV = _settings.COMPILE_ONLY.env
-"""``1``: "tpu" groups of this process record collectives instead of running them (set by
-``tpu-launch --compile-only``; the world's topology comes from ``TPU_DIST_TOPOLOGY`` /
-``TPU_DIST_NUM_SLICES``)."""
+if TYPE_CHECKING:
+    from tpu_dist.compile_job._recording import RecordedCall
 
 
-def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``TPU_DIST_COMPILE_ONLY`` asks for compile-only mode.
-
-    Raises:
-        ValueError: the variable is set to something other than 0 or 1.
-    """
-    return _settings.COMPILE_ONLY.get(environ)
-
-
-# -- the world's devices -------------------------------------------------------------------------
-
-_world: tuple[Topology, list[Any]] | None = None
-
-
-def _libtpu_topology(topology: Topology) -> str:
+def libtpu_topology(topology: Topology) -> str:
     """The topology as libtpu names it (``tpu7x:16x16x16``)."""
     return f"{topology.generation.libtpu_name}:{topology.topology}"
 
 
-def world_devices(world_size: int) -> tuple[Topology, list[Any]]:
-    """The emulated topology and the compile-only TPU device of each global rank (cached).
-
-    Rank ``r`` gets the libtpu device on the slice, chip coordinates and core that
-    :class:`~tpu_dist.mesh.Topology` gives rank ``r`` (the chip ``tpu-launch`` gives it; see
-    :func:`tpu_dist.collectives.compile_only.topology_devices`).
-
-    Raises:
-        RuntimeError: libtpu is not installed, or it cannot describe the topology.
-        ValueError: no topology is set, or it does not have ``world_size`` devices.
-    """
-    global _world
-    if _world is not None:
-        return _world
-    from tpu_dist.collectives.compile_only import topology_devices
-    from tpu_dist.mesh import current_topology
-
-    topology = current_topology(world_size)
-    try:
-        devices = topology_devices(topology)
-    except ImportError as err:
-        raise RuntimeError(f"compile-only mode: {err}") from err
-    except Exception as err:
-        raise RuntimeError(
-            f"libtpu could not describe {_libtpu_topology(topology)} x {topology.num_slices} "
-            f"slice(s): {err}"
-        ) from err
-    _world = (topology, devices)
-    return _world
-
-
 # -- compiling and estimating -------------------------------------------------------------------
-
-# The program kind -> the benchmark's op whose bandwidth formula it follows, and how the op's
-# message size S relates to the bytes each rank passes in (b) on n ranks.
-_AS_BENCH_OP: dict[str, tuple[str, Callable[[int, int], int]]] = {
-    "allreduce": ("all_reduce", lambda b, n: b),
-    "barrier": ("all_reduce", lambda b, n: b),
-    "broadcast": ("all_reduce", lambda b, n: b),  # the backend's broadcast is a psum
-    "allgather": ("all_gather_into_tensor", lambda b, n: b * n),
-    "reduce_scatter": ("reduce_scatter_tensor", lambda b, n: b),
-    "alltoall": ("all_to_all_single", lambda b, n: b),
-    "scatter": ("all_to_all_single", lambda b, n: b),  # an all-to-all of the root's rows
-    "permute": ("send_recv", lambda b, n: b),
-}
-
 
 def estimate_seconds(
     kind: str, topology: Topology, group_ranks: Sequence[int], bytes_per_rank: int
@@ -117,11 +38,11 @@ def estimate_seconds(
     """A bandwidth-only estimate of one call of a ``kind`` program over ``group_ranks``.
 
     ``t = S * factor / busbw``: nccl-tests' bus-bandwidth convention read backwards, with
-    ``busbw`` the topology model's bound for the group (:func:`tpu_dist.bench.expected_busbw`:
+    ``busbw`` the topology model's bound for the group (:func:`tpu_dist.mesh.expected_busbw`:
     ``L = ici_gbytes_per_s / ici_ports / 2`` GB/s per link and direction, ``2 L`` per spanned
     torus axis that wraps around and ``L`` per one that does not, capped by DCN at
     ``dcn_gbits_per_s / 8`` GB/s per chip when the group spans slices), ``factor`` the op's
-    (:func:`tpu_dist.bench.bus_factor`: ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for
+    (:func:`tpu_dist.mesh.bus_factor`: ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for
     an all-gather with ``S`` its output, a reduce-scatter and an all-to-all, 1 for a send) and
     ``S`` the op's message size. Latency is ignored, so small messages come out near zero. None
     when the group's devices share one chip (TPU7x's two TensorCores): no link is used.
@@ -132,14 +53,13 @@ def estimate_seconds(
     (100 GB/s per link from Cloud's 400 GB/s per chip over 4 ports, and the (n - 1) / n factor
     the book drops): 0.79x.
     """
-    from tpu_dist.bench import bus_factor, expected_busbw
-
-    op, message = _AS_BENCH_OP[kind]
+    kind = Kind(kind)
+    op = kind.bench_op
     expectation = expected_busbw(topology, group_ranks, op)
     if expectation is None:
         return None
     n = len(group_ranks)
-    size = message(bytes_per_rank, n)
+    size = kind.bench_bytes(bytes_per_rank, n)
     return size * bus_factor(op, n) / (expectation.busbw_gbytes_per_s * 1e9)
 
 
@@ -180,7 +100,7 @@ class CompiledCall:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CompileReport:
-    """What :func:`compile_recorded` found; :meth:`to_json` is the ``--compile-report`` file."""
+    """What :func:`compile_calls` found; :meth:`to_json` is the ``--compile-report`` file."""
 
     topology: str
     num_slices: int
@@ -238,7 +158,7 @@ class CompileReport:
                              f"{c.first_call}:\n  {c.error}")
         lines.append("")
         lines.append("est/call: message size over the topology model's bus-bandwidth bound "
-                     "(ICI/DCN link speeds, latency ignored; tpu_dist.collectives.compile_job."
+                     "(ICI/DCN link speeds, latency ignored; tpu_dist.compile_job."
                      "estimate_seconds); temp: the program's scratch memory on each device.")
         return "\n".join(lines)
 
@@ -294,7 +214,7 @@ class _Compiler:
     """Compiles programs in a child process, so that a crash of libtpu's compiler (libtpu
     0.0.52 dies of SIGILL on a group over 2 of 4 slices) fails that program, not the report;
     a new child takes the next program. Only programs whose group spans slices go there
-    (:func:`compile_recorded`): starting the child costs about 2 CPU-s (torch, JAX, libtpu),
+    (:func:`compile_calls`): starting the child costs about 2 CPU-s (torch, JAX, libtpu),
     and groups within a slice compile in the recording process, as they do in
     :func:`tpu_dist.collectives.compile_only.compile_collective`'s own tests."""
 
@@ -346,31 +266,29 @@ class _Compiler:
             self._proc = self._conn = None
 
 
-def compile_recorded(
+def compile_calls(
+    calls: Sequence[RecordedCall],
+    topology: Topology,
+    devices: Sequence[Any],
     rank: int,
     script_seconds: float = 0.0,
     progress: Callable[[str], None] | None = None,
 ) -> CompileReport:
-    """Compile every distinct collective this process recorded; identical programs compile once.
+    """Compile every distinct program of ``calls`` over ``devices`` (the compile-only TPU
+    device of each global rank of ``topology``); identical programs compile once.
 
     Args:
+        calls: The recorded calls, in the order first issued.
+        topology: The target world's topology.
+        devices: The compile-only TPU device of each global rank.
         rank: The global rank the script ran as.
         script_seconds: How long the script ran (for the report).
         progress: Called with one line per program compiled (default: stderr).
     """
-    from tpu_dist.collectives._recording import recorder
-
     if progress is None:
         def progress(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
-    calls = recorder.recorded()
-    if _world is None:
-        raise RuntimeError(
-            "compile_recorded: no 'tpu' process group was created in compile-only mode "
-            f"({COMPILE_ONLY_ENV}=1 before init_process_group('tpu'))"
-        )
-    topology, devices = _world
     by_id = {d.id: d for d in devices}
     programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
     started = time.monotonic()
@@ -414,7 +332,7 @@ def compile_recorded(
             error=error,
         ))
     return CompileReport(
-        topology=_libtpu_topology(topology),
+        topology=libtpu_topology(topology),
         num_slices=topology.num_slices,
         num_devices=topology.num_devices,
         rank=rank,

@@ -1,9 +1,19 @@
-"""Expected bus bandwidth on real TPUs, from the topology model of :mod:`tpu_dist.mesh`.
+"""What a TPU topology's links allow a collective: the bus-bandwidth model.
 
-When the ranks drive TPU devices, the benchmark prints ``achieved / expected`` busbw for each
-row. The expectation is an upper bound computed from the generation's link figures
-(:class:`tpu_dist.mesh.Generation`: ``ici_gbytes_per_s`` summed over ``ici_ports`` links, both
-directions; ``dcn_gbits_per_s`` per chip), not a promise:
+Shared by ``tpu-dist-bench`` (``achieved / expected`` busbw on TPU devices) and compile-only
+mode (a collective's estimated time), so it lives with the hardware facts it is built from
+(:class:`tpu_dist.mesh.Generation`).
+
+**Bus bandwidth** (nccl-tests' convention, ``doc/PERFORMANCE.md``): with ``S`` the message size
+in bytes, ``t`` the time of one call and ``n`` the ranks, ``algbw = S / t`` and ``busbw = algbw
+* factor`` (:func:`bus_factor`), the factor making busbw comparable to the bandwidth of the
+slowest link whatever the op and ``n``: all_reduce ``2 (n-1) / n`` (a reduce-scatter then an
+all-gather); all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single ``(n-1) / n``;
+broadcast and send_recv 1.
+
+**The bound** (:func:`expected_busbw`) is an upper bound computed from the generation's link
+figures (``ici_gbytes_per_s`` summed over ``ici_ports`` links, both directions;
+``dcn_gbits_per_s`` per chip), not a promise:
 
 * One ICI link carries ``L = ici_gbytes_per_s / ici_ports / 2`` GB/s each way (v4: 45, v5e: 50,
   v5p: 100, v6e: 100, v7x: 100).
@@ -27,13 +37,29 @@ sizes points at the lowering (e.g. a ring along one axis only) or at the host.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from tpu_dist.mesh import Topology
+from tpu_dist.mesh._topology import Topology
 
-__all__ = ["Expectation", "expected_busbw", "link_gbytes_per_s"]
+__all__ = ["BUS_FACTORS", "Expectation", "bus_factor", "expected_busbw", "link_gbytes_per_s"]
+
+
+BUS_FACTORS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather_into_tensor": lambda n: (n - 1) / n,
+    "reduce_scatter_tensor": lambda n: (n - 1) / n,
+    "all_to_all_single": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send_recv": lambda n: 1.0,
+}
+"""busbw / algbw per op, as a function of the number of ranks (module doc)."""
+
+
+def bus_factor(op: str, nranks: int) -> float:
+    """busbw / algbw for ``op`` on ``nranks`` ranks (the module docstring's table)."""
+    return BUS_FACTORS[op](nranks)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,17 +1,18 @@
-"""A "tpu" process group that records collectives instead of running them (compile-only mode).
+"""The compile-only pipeline: plan every call as the backend does, record it, return at once.
 
 ``tpu-launch --compile-only`` runs a job's script once, as one rank of the whole target world
-(thousands of ranks), in one process with no TPU. Every "tpu" group of that process is a
-:class:`RecordingProcessGroup`: it checks its arguments and plans each call exactly as
-:class:`~tpu_dist.collectives._backend.ProcessGroupTPU` does (same checks, same blocks, same
-:class:`~tpu_dist.collectives._lowering.ProgramKey`), then records the call and completes it at
-once with outputs of the right shape. Nothing is communicated and the values are not meaningful:
-each rank's outputs are computed as if every rank had passed this rank's inputs (an all-gather
-repeats the input, a reduce-scatter keeps this rank's chunk, everything else returns its input),
-which keeps the shapes right and object collectives decodable.
+(thousands of ranks), in one process with no TPU. Every "tpu" group of that process is the
+backend's own :class:`~tpu_dist.collectives.ProcessGroupTPU` (same checks, same plans, same
+:class:`~tpu_dist.collectives.ProgramKey`), with a :class:`RecordingPipeline` in place of the
+one that runs programs: each call is recorded (:class:`Recorder`) and completed at once with
+outputs of the right shape. Nothing is communicated and the values are not meaningful: each
+rank's outputs are computed as if every rank had passed this rank's inputs (an all-gather
+repeats the input, a reduce-scatter keeps this rank's chunk, everything else returns its
+input: :attr:`~tpu_dist.collectives._types.Kind.recorded_output`), which keeps the shapes
+right and object collectives decodable.
 
-:mod:`tpu_dist.collectives.compile_job` then compiles every distinct recorded program for the
-group's TPU devices and reports.
+:mod:`._compile` then compiles every distinct recorded program for the group's TPU devices and
+reports.
 """
 
 from __future__ import annotations
@@ -19,19 +20,13 @@ from __future__ import annotations
 import os
 import threading
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 
-from tpu_dist.collectives import _plan
-from tpu_dist.collectives._backend import ProcessGroupTPU
-from tpu_dist.collectives._lowering import ProgramKey
-from tpu_dist.collectives._work import TPUWork
-
-#: Program kinds whose first parameter is a reduce op name.
-_REDUCING = ("allreduce", "reduce_scatter")
+from tpu_dist.collectives.pipelines import GroupView, Kind, P2PPlan, Plan, ProgramKey, TPUWork
 
 
 @dataclass(frozen=True)
@@ -99,16 +94,17 @@ class Recorder:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(
-        self, op: str, group: ProcessGroupTPU, key: ProgramKey,
+        self, op: str, group_ranks: Sequence[int], group_desc: str, key: ProgramKey,
         data_blocks: tuple[tuple[int, str], ...] | None = None,
     ) -> None:
-        reduce_op = key.params[0] if key.kind in _REDUCING and key.params else None
-        ident = (op, reduce_op, tuple(group.global_ranks), key)
+        """Count one call of ``op`` on the group of ``group_ranks`` running ``key``'s program."""
+        reduce_op = key.reduce_op
+        ident = (op, reduce_op, tuple(group_ranks), key)
         with self.lock:
             call = self.calls.get(ident)
             if call is None:
                 call = RecordedCall(
-                    op, reduce_op, tuple(group.global_ranks), group.getGroupDesc(), key,
+                    op, reduce_op, tuple(group_ranks), group_desc, key,
                     key.blocks if data_blocks is None else data_blocks, _user_call_site(),
                 )
                 self.calls[ident] = call
@@ -120,11 +116,8 @@ class Recorder:
             return list(self.calls.values())
 
 
-recorder = Recorder()
-"""This process's recorder (one per process, like the flight recorder)."""
-
 _OWN_CODE = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),  # tpu_dist/
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # tpu_dist/
     os.path.dirname(os.path.abspath(torch.__file__)),
 )
 
@@ -145,66 +138,58 @@ def _fake_output(kind: str, size: int, rank: int, block: torch.Tensor) -> torch.
     Views of ``block`` where the shapes allow: an all-reduce's finish step then copies the
     block onto itself, which torch skips, so a job's large buffers are never written here.
     """
-    if kind == "allgather":
+    output = Kind(kind).recorded_output
+    if output == "repeat":
         return block.repeat(size)
-    if kind in ("reduce_scatter", "scatter"):
+    if output == "chunk":
         return block.view(size, -1)[rank]
     return block
 
 
-class RecordingProcessGroup(ProcessGroupTPU):
-    """A "tpu" group that plans, records and completes calls without communicating.
+class RecordingPipeline:
+    """A group's pipeline that records its calls and completes them at once (module doc).
 
-    Created instead of :class:`ProcessGroupTPU` in compile-only mode (see the module docstring);
-    ``devices`` are the compile-only TPU devices of the group's ranks.
+    Plugged into the backend's own group by the compile-only session
+    (:class:`~tpu_dist.compile_job.Session`); the plans it gets are the backend's own.
     """
 
-    def __init__(
-        self,
-        rank: int,
-        size: int,
-        global_ranks: Sequence[int],
-        timeout: timedelta,
-        devices: Sequence,
-    ) -> None:
-        super().__init__(rank, size, global_ranks, timeout, devices=devices)
-        self._check_calls = False  # the DETAIL check would be a collective of its own
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
 
-    def _launch(self, plan: _plan.Plan, *, async_op: bool = False) -> TPUWork:
-        # The plan is the backend's own (same checks, blocks and key): record its program and
-        # complete at once with fake results (module doc).
+    def run(self, group: GroupView, plan: Plan, timeout: timedelta, async_op: bool) -> TPUWork:
+        """Record ``plan``'s program and complete at once with fake results (module doc)."""
+        while True:
+            work = self._record(group, plan)
+            if plan.then is None:
+                return work
+            plan = plan.then(work.result())
+
+    def _record(self, group: GroupView, plan: Plan) -> TPUWork:
         if plan.key is None:
             return TPUWork.completed(plan.op, plan.finish([]))
         key = plan.key
-        checked_broadcast = key.kind == "broadcast" and key.params[-1] is True
+        checked_broadcast = key.kind == Kind.BROADCAST and key.params[-1] is True
         # The program compiled is the one the backend runs; a checked broadcast's 8-byte src
         # header is not the job's data, so its size is counted without it.
-        recorder.add(plan.op, self, key,
-                     data_blocks=key.blocks[:-1] if checked_broadcast else None)
-        results = [_fake_output(key.kind, self.size(), self.rank(), b) for b in plan.blocks]
+        self._recorder.add(
+            plan.op, group.global_ranks, group.desc, key,
+            data_blocks=key.blocks[:-1] if checked_broadcast else None,
+        )
+        results = [_fake_output(key.kind, group.size, group.rank, b) for b in plan.blocks]
         if checked_broadcast:  # every rank agrees on src here: the header summed over ranks
-            results[-1] = plan.blocks[-1] * self.size()
+            results[-1] = plan.blocks[-1] * group.size
         return TPUWork.completed(plan.op, plan.finish(results))
 
-    def _queue_p2p(self, plan: _plan.P2PPlan) -> TPUWork:
-        # The backend's own plan (same checks), then the two-device permute program it would
-        # run, recorded instead of queued.
+    def send_or_recv(self, group: GroupView, plan: P2PPlan, timeout: timedelta) -> TPUWork:
+        """Record the two-device permute program the backend would run, instead of queueing."""
         if plan.key is not None:
-            recorder.add(plan.op, _PairView(*plan.pair, self), plan.key)
+            self._recorder.add(
+                plan.op, plan.pair, f"p2p in {group.desc or 'default group'}", plan.key
+            )
         return TPUWork.completed(plan.description, plan.finish([]))
 
+    def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
+        return TPUWork(description, before_wait=before_wait)
 
-@dataclass(frozen=True)
-class _PairView:
-    """The two-rank "group" of a point-to-point program, for the recorder."""
-
-    low: int
-    high: int
-    parent: ProcessGroupTPU
-
-    @property
-    def global_ranks(self) -> list[int]:
-        return [self.low, self.high]
-
-    def getGroupDesc(self) -> str:  # noqa: N802 (ProcessGroup's name)
-        return f"p2p in {self.parent.getGroupDesc() or 'default group'}"
+    def close(self) -> None:
+        pass

@@ -1,0 +1,351 @@
+"""The stages after *plan*, once for every call of one group: track, dispatch, complete.
+
+A "tpu" collective's life is plan -> track -> dispatch -> complete. The group
+(:class:`~._backend.ProcessGroupTPU`) keeps its identity and its op table: each op is its plan
+function (:mod:`._plan`, pure) handed to the group's :class:`Pipeline`, which owns the rest:
+
+1. a :class:`~._types.Call` record is made (op, group, ranks, sequence number, program,
+   timeout): what the watchdog, the flight recorder and error messages see;
+2. **track** (:func:`._watchdog.track`): flight recorder and watchdog, always before dispatch
+   (the first call of a program sets up XLA's communicators inside dispatch and blocks there
+   until every peer has arrived);
+3. **dispatch** (:class:`._dispatch.Dispatcher`): the cached XLA program (:mod:`._lowering`)
+   started in the order every rank agrees on, inline or on the dispatcher thread;
+4. **complete** (:class:`._work.TPUWork`): the finish step copies the result blocks into the
+   outputs, on whichever thread waits first.
+
+Point-to-point ops take the same stages, queued between plan and track: an XLA program needs
+both ends, so a send and its recv must run the same program in the same order on both ranks.
+Queued ops (:class:`._dispatch.P2PQueue`) are dispatched when any of them is waited on or the
+next collective is issued, sorted by (rank pair, direction, tag). That makes
+``batch_isend_irecv`` and ``isend``/``irecv`` exchanges deadlock-free in any issue order, like
+gloo; a blocking ``send`` must be matched by a ``recv`` on the peer at the same point of its
+sequence, like NCCL. An op whose program cannot start fails its own work: a collective that
+happened to flush the queue never raises a p2p op's error.
+
+With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` every call is first checked against the other ranks'
+(:meth:`Pipeline._check_same_call`).
+
+The pipeline's collaborators are the process's (:class:`Services`), handed down by the runtime
+(:meth:`._runtime.Runtime.pipeline`, the composition root); nothing here imports the runtime.
+Compile-only mode (:mod:`tpu_dist.compile_job`) plugs a pipeline of its own into the same group
+class: it plans the same way and records instead of running (:class:`GroupPipeline` is what
+both provide).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+import torch.distributed as dist
+
+from tpu_dist.collectives import _plan, _watchdog
+from tpu_dist.collectives._dispatch import P2POp, Ticket
+from tpu_dist.collectives._types import Call, Kind
+from tpu_dist.collectives._work import TPUWork, wait_interruptibly
+
+if TYPE_CHECKING:
+    from tpu_dist.collectives._dispatch import DeviceSets, Dispatcher, P2PQueue
+    from tpu_dist.collectives._work import Completer
+
+_CALL_BYTES = 256
+"""Bytes of a call's description in the DETAIL check."""
+
+
+class GroupPipeline(Protocol):
+    """What a group hands its planned calls to (this module's :class:`Pipeline`, or
+    compile-only mode's recording pipeline)."""
+
+    def run(
+        self, group: _plan.GroupView, plan: _plan.Plan, timeout: timedelta, async_op: bool
+    ) -> TPUWork:
+        """Run a planned collective; the work completes it."""
+
+    def send_or_recv(
+        self, group: _plan.GroupView, plan: _plan.P2PPlan, timeout: timedelta
+    ) -> TPUWork:
+        """Queue (or record) a planned send or receive."""
+
+    def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
+        """A work that ``before_wait`` completes (a receive from any source)."""
+
+    def close(self) -> None:
+        """The group was destroyed."""
+
+
+@dataclass(frozen=True)
+class Services:
+    """What a pipeline uses of its process: the runtime's, handed down by it."""
+
+    dispatcher: Dispatcher
+    p2p: P2PQueue
+    device_sets: DeviceSets
+    completer: Completer
+    watchdog: _watchdog.Watchdog | None
+    """None in a process without one (a test's)."""
+    to_jax: Callable[[torch.Tensor], object]
+    """A 1-D tensor as a JAX array on this rank's device (zero-copy on CPU)."""
+    to_torch: Callable[[object], torch.Tensor]
+    """A result block as a CPU tensor (zero-copy on CPU)."""
+    rank: int
+    """This process's global rank."""
+
+
+class Pipeline:
+    """Track, dispatch and complete every call of one group (module doc).
+
+    Keeps what the group's calls share after plan: its devices, the sequence number, the works
+    not completed yet (in issue order) and its place among the groups over the same devices.
+    """
+
+    def __init__(
+        self, services: Services, devices: Sequence, *, poll: bool, check_calls: bool
+    ) -> None:
+        """``devices``: the JAX device of each group rank. ``poll``: works wait by polling, so
+        that the watchdog can interrupt them (``TPU_DIST_TIMEOUT_POLICY=raise``; every program
+        then starts on the dispatcher thread). ``check_calls``: the DETAIL check."""
+        self._s = services
+        self._devices = list(devices)
+        self._device_set = tuple(sorted(d.id for d in self._devices))
+        # This group's index among the groups over its device set (see _dispatch.Dispatcher).
+        self._index_in_set = services.device_sets.add(self._device_set)
+        self._live = True
+        self._poll = poll
+        self._check_calls = check_calls
+        self._seq = 0
+        self._unfinished: collections.deque[TPUWork] = collections.deque()
+        self._unfinished_lock = threading.Lock()
+
+    def close(self) -> None:
+        """The group was destroyed: it no longer shares its devices."""
+        if self._live:
+            self._live = False
+            self._s.device_sets.remove(self._device_set)
+
+    # -- collectives -----------------------------------------------------------------------
+
+    def run(
+        self,
+        group: _plan.GroupView,
+        plan: _plan.Plan,
+        timeout: timedelta,
+        async_op: bool = False,
+    ) -> TPUWork:
+        """Run ``plan``: its program tracked, dispatched, and completed by the returned work.
+
+        A plan with a follow-up (:attr:`~._plan.Plan.then`) runs to completion first, here;
+        the plan it leads to is the one ``async_op`` applies to. With ``async_op`` the program
+        starts on the dispatcher thread and this returns at once.
+        """
+        while plan.then is not None:
+            outputs = self._launch(group, plan, timeout).result()
+            plan = plan.then(outputs)
+        return self._launch(group, plan, timeout, async_op=async_op)
+
+    def _launch(
+        self,
+        group: _plan.GroupView,
+        plan: _plan.Plan,
+        timeout: timedelta,
+        *,
+        async_op: bool = False,
+    ) -> TPUWork:
+        s = self._s
+        s.p2p.flush()
+        if plan.key is None:  # nothing to move
+            return TPUWork.completed(plan.op, plan.finish([]))
+        key = plan.key
+        arrays = [s.to_jax(b) for b in plan.blocks]
+        if self._check_calls:
+            self._check_same_call(group, plan.op, key.params, key.blocks)
+        self._seq += 1
+        call = Call(plan.op, group.name, group.global_ranks, self._seq, key, timeout)
+
+        def explain(err: BaseException) -> dist.DistBackendError:
+            return _watchdog.explain_failure(s.watchdog, err, call, s.rank)
+
+        work = TPUWork(
+            call.op,
+            poll=self._poll,
+            explain=explain,
+            complete_earlier=lambda: self._complete_before(work),
+            completer=s.completer,
+        )
+        self._remember(work)
+        _watchdog.track(s.watchdog, work, call)
+        finish, to_torch = plan.finish, s.to_torch
+
+        def complete(outs: list) -> list[torch.Tensor]:
+            return finish([to_torch(o) for o in outs])
+
+        ticket = self._ticket(call.seq, 1)
+        dispatcher = s.dispatcher
+        if async_op:
+            work.start_later(dispatcher.submit(key, self._devices, arrays, ticket), complete)
+            return work
+        try:
+            if self._poll:
+                outs = wait_interruptibly(
+                    work, dispatcher.submit(key, self._devices, arrays, ticket)
+                )
+            elif ticket is not None:
+                outs = dispatcher.submit(key, self._devices, arrays, ticket).result()
+            else:
+                outs = dispatcher.run_in_order(key, self._devices, arrays)
+        except dist.DistBackendError as err:
+            work.fail(err)
+            raise
+        except Exception as err:
+            error = explain(err)
+            work.fail(error)
+            raise error from err
+        work.start(outs, complete)
+        return work
+
+    def _remember(self, work: TPUWork) -> None:
+        with self._unfinished_lock:
+            while self._unfinished and self._unfinished[0].done:
+                self._unfinished.popleft()
+            self._unfinished.append(work)
+
+    def _complete_before(self, work: TPUWork) -> None:
+        """Complete every unfinished work this group issued before ``work``, oldest first.
+
+        XLA runs a group's programs in issue order, so theirs have finished (or are about
+        to) when ``work``'s has; only their finish steps (copies into outputs) may be left.
+        """
+        with self._unfinished_lock:
+            earlier = []
+            for other in self._unfinished:
+                if other is work:
+                    break
+                if not other.done:
+                    earlier.append(other)
+        for other in earlier:
+            other.complete(flush=False)
+
+    def _ticket(self, seq: int, part: int) -> Ticket | None:
+        """The ticket of this group's call ``seq`` if other groups share its devices, else None.
+
+        Calls on a device set no other group uses need no agreement: one group's calls are
+        issued in the same order on every rank (see _dispatch.Dispatcher).
+        """
+        if not self._s.device_sets.shared(self._device_set):
+            return None
+        return (self._index_in_set, seq, part)
+
+    def _check_same_call(
+        self, group: _plan.GroupView, description: str, params: tuple, meta: tuple
+    ) -> None:
+        """TORCH_DISTRIBUTED_DEBUG=DETAIL: all ranks must call the same collective.
+
+        Every rank all-gathers a fixed-size description of its call (one small
+        program that cannot mismatch), so a mismatch raises on every rank instead
+        of hanging, naming each rank's call.
+        """
+        s = self._s
+        call = f"{description} {' '.join(map(str, params))} ".strip() + " (" + ", ".join(
+            f"{dtype}[{n}]" for n, dtype in meta
+        ) + ")"
+        raw = call.encode()[:_CALL_BYTES]
+        mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        key = _plan.program_key(
+            Kind.ALLGATHER, group.device_ids, ((_CALL_BYTES, "uint8"),), (), group.platform
+        )
+        ticket = self._ticket(self._seq + 1, 0)
+        arrays = [s.to_jax(mine)]
+        if ticket is None:
+            (gathered,) = s.dispatcher.run_in_order(key, self._devices, arrays)
+        else:
+            (gathered,) = s.dispatcher.submit(key, self._devices, arrays, ticket).result()
+        rows = s.to_torch(gathered).view(group.size, _CALL_BYTES)
+        calls = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
+        if len(set(calls)) > 1:
+            detail = "; ".join(
+                f"rank {group.global_ranks[i]}: {c}" for i, c in enumerate(calls)
+            )
+            raise RuntimeError(
+                f"tpu_dist: detected mismatch between collectives on ranks of group "
+                f"{group.name!r} (collective #{self._seq + 1}): {detail}. Every rank of a "
+                "group must call the same collectives in the same order with the same sizes, "
+                "dtypes and reduce ops (checked because TORCH_DISTRIBUTED_DEBUG=DETAIL)."
+            )
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def send_or_recv(
+        self, group: _plan.GroupView, plan: _plan.P2PPlan, timeout: timedelta
+    ) -> TPUWork:
+        """Queue a planned send or recv; the next flush tracks and dispatches it (module doc)."""
+        p2p = self._s.p2p
+
+        def dispatch(op: P2POp, block: bool) -> None:
+            self._dispatch_p2p(op, block, timeout)
+
+        work = TPUWork(
+            plan.description,
+            poll=self._poll,
+            explain=lambda err: self._explain_p2p(err, op, timeout),
+            before_wait=p2p.flush,
+            completer=self._s.completer,
+        )
+        op = P2POp(work, plan, dispatch)
+        p2p.add(op)
+        return work
+
+    def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
+        """A work whose ``before_wait`` does the call (a receive from any source learns its
+        sender first, then receives)."""
+        return TPUWork(description, before_wait=before_wait, completer=self._s.completer)
+
+    def _p2p_call(self, op: P2POp, timeout: timedelta) -> Call:
+        low, high = op.plan.pair
+        return Call(
+            op.work.description, f"p2p:{low}-{high}", (low, high), op.seq, op.plan.key,
+            timeout, params=(f"tag={op.plan.tag}",),
+        )
+
+    def _explain_p2p(
+        self, err: BaseException, op: P2POp, timeout: timedelta
+    ) -> dist.DistBackendError:
+        return _watchdog.explain_failure(
+            self._s.watchdog, err, self._p2p_call(op, timeout), self._s.rank
+        )
+
+    def _dispatch_p2p(self, op: P2POp, block: bool, timeout: timedelta) -> None:
+        """Track, then start one queued point-to-point op as a two-device permute program.
+
+        A program that cannot be started fails ``op.work``, never the caller (which may be
+        an unrelated collective flushing the queue).
+        """
+        plan = op.plan
+        if plan.key is None:
+            op.work.start((), plan.finish)
+            return
+        s = self._s
+        op.seq = s.p2p.next_seq(plan.pair)
+
+        def complete(outs: list) -> list[torch.Tensor]:
+            return plan.finish([s.to_torch(o) for o in outs])
+
+        try:
+            _watchdog.track(s.watchdog, op.work, self._p2p_call(op, timeout))
+            array = s.to_jax(plan.block)
+            devices = [self._devices[r] for r in plan.pair_group_ranks]
+            if block and not self._poll:
+                op.work.start(s.dispatcher.run_in_order(plan.key, devices, [array]), complete)
+            else:
+                op.work.start_later(s.dispatcher.submit(plan.key, devices, [array]), complete)
+        except dist.DistBackendError as err:
+            op.work.fail(err)
+        except Exception as err:
+            error = self._explain_p2p(err, op, timeout)
+            error.__cause__ = err
+            op.work.fail(error)

@@ -1,0 +1,64 @@
+"""Compile-only mode: a job's collectives compiled for its TPU topology, without a TPU.
+
+``tpu-launch --emulate tpu7x:16x16x16 --compile-only train.py`` runs ``train.py`` once, in one
+process, as one rank (``--compile-rank``, default 0) of the whole world of the topology (8,192
+ranks there), and reports on every collective the script issued. The pieces, in order:
+
+1. :class:`Session` (:func:`activate`: the process's one): installed as the "tpu" groups'
+   pipeline source (:mod:`tpu_dist.collectives.pipelines`), so every "tpu" group of the process
+   is the backend's own group, planning each call exactly as it does, with a recording pipeline
+   (:mod:`._recording`) that records the call and returns at once with outputs of the right
+   shape; values are not meaningful. Each group's devices are the compile-only TPU devices
+   (libtpu) of its ranks, rank ``r`` driving the chip ``tpu-launch`` would give it
+   (:class:`tpu_dist.mesh.Topology`).
+2. :meth:`Session.compile`: each distinct recorded program compiled with libtpu's TPU compiler
+   (``pip install libtpu``; no TPU needed; a group that spans slices compiles in a child
+   process, so that a compiler crash, seen there, fails one program, not the run).
+3. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
+   its scratch memory and an estimated time per call (:func:`estimate_seconds`);
+   :func:`write_report` writes it as JSON (``--compile-report``).
+
+``TPU_DIST_COMPILE_ONLY=1`` (which ``tpu-launch`` sets) activates the session at ``import
+tpu_dist``. Only the process that runs the script calls any of this; there are no peers. The
+collectives package knows nothing of this one: it only offers the pipeline seam.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from tpu_dist import _settings
+from tpu_dist.compile_job._compile import (
+    CompiledCall,
+    CompileReport,
+    estimate_seconds,
+    write_report,
+)
+from tpu_dist.compile_job._session import Session, activate, active_session, world_devices
+
+__all__ = [
+    "COMPILE_ONLY_ENV",
+    "CompileReport",
+    "CompiledCall",
+    "Session",
+    "activate",
+    "active_session",
+    "enabled",
+    "estimate_seconds",
+    "world_devices",
+    "write_report",
+]
+
+COMPILE_ONLY_ENV = _settings.COMPILE_ONLY.env
+"""``1``: "tpu" groups of this process record collectives instead of running them (set by
+``tpu-launch --compile-only``; the world's topology comes from ``TPU_DIST_TOPOLOGY`` /
+``TPU_DIST_NUM_SLICES``)."""
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``TPU_DIST_COMPILE_ONLY`` asks for compile-only mode.
+
+    Raises:
+        ValueError: the variable is set to something other than 0 or 1.
+    """
+    return _settings.COMPILE_ONLY.get(environ)

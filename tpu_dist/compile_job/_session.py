@@ -1,0 +1,134 @@
+"""One compile-only run: the target world's devices and everything the script recorded."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from tpu_dist.collectives import pipelines
+from tpu_dist.compile_job._compile import CompileReport, compile_calls, libtpu_topology
+from tpu_dist.compile_job._recording import RecordedCall, Recorder, RecordingPipeline
+from tpu_dist.mesh import Topology
+
+
+class Session:
+    """A compile-only run of one process: installed as the pipeline source of every "tpu"
+    group created while it is active (:meth:`activate`), it gives each group the compile-only
+    TPU devices of its ranks and a :class:`~._recording.RecordingPipeline`; :meth:`compile`
+    then compiles what was recorded.
+
+    The world's topology is read when the first group is created (``TPU_DIST_TOPOLOGY`` /
+    ``TPU_DIST_NUM_SLICES``, :func:`tpu_dist.mesh.current_topology`), and libtpu describes its
+    devices then, once.
+    """
+
+    def __init__(self) -> None:
+        self.recorder = Recorder()
+        self._world: tuple[Topology, list[Any]] | None = None
+        self._lock = threading.Lock()
+        self._previous: pipelines.PipelineSource | None = None
+
+    # -- the pipeline source ---------------------------------------------------------------
+
+    def activate(self) -> Session:
+        """Make every "tpu" group created from now on a recording one (returns ``self``)."""
+        self._previous = pipelines.pipeline_source()
+        pipelines.set_pipeline_source(self._group)
+        return self
+
+    def deactivate(self) -> None:
+        """Groups created from now on run again as before :meth:`activate`."""
+        pipelines.set_pipeline_source(self._previous)
+
+    def _group(
+        self, rank: int, size: int, global_ranks: list[int], world_size: int
+    ) -> tuple[list[Any], RecordingPipeline]:
+        _, devices = self.world(world_size)
+        return [devices[r] for r in global_ranks], RecordingPipeline(self.recorder)
+
+    # -- the world ---------------------------------------------------------------------------
+
+    def world(self, world_size: int) -> tuple[Topology, list[Any]]:
+        """The emulated topology and the compile-only TPU device of each global rank (read
+        once, on the first call).
+
+        Rank ``r`` gets the libtpu device on the slice, chip coordinates and core that
+        :class:`~tpu_dist.mesh.Topology` gives rank ``r`` (the chip ``tpu-launch`` gives it;
+        see :func:`tpu_dist.collectives.compile_only.topology_devices`).
+
+        Raises:
+            RuntimeError: libtpu is not installed, or it cannot describe the topology.
+            ValueError: no topology is set, or it does not have ``world_size`` devices.
+        """
+        with self._lock:
+            if self._world is not None:
+                return self._world
+            from tpu_dist.collectives.compile_only import topology_devices
+            from tpu_dist.mesh import current_topology
+
+            topology = current_topology(world_size)
+            try:
+                devices = topology_devices(topology)
+            except ImportError as err:
+                raise RuntimeError(f"compile-only mode: {err}") from err
+            except Exception as err:
+                raise RuntimeError(
+                    f"libtpu could not describe {libtpu_topology(topology)} x "
+                    f"{topology.num_slices} slice(s): {err}"
+                ) from err
+            self._world = (topology, devices)
+            return self._world
+
+    # -- after the script ----------------------------------------------------------------
+
+    def recorded(self) -> list[RecordedCall]:
+        """The distinct calls recorded so far, in the order first issued."""
+        return self.recorder.recorded()
+
+    def compile(
+        self,
+        rank: int,
+        script_seconds: float = 0.0,
+        progress: Callable[[str], None] | None = None,
+    ) -> CompileReport:
+        """Compile every distinct recorded program for the world's TPU devices and report
+        (:func:`~._compile.compile_calls`).
+
+        Raises:
+            RuntimeError: no "tpu" group was created while the session was active.
+        """
+        if self._world is None:
+            raise RuntimeError(
+                "compile-only: no 'tpu' process group was created while the session was active "
+                "(call init_process_group('tpu') in the script)"
+            )
+        topology, devices = self._world
+        return compile_calls(
+            self.recorded(), topology, devices, rank, script_seconds, progress
+        )
+
+
+_active: Session | None = None
+
+
+def activate() -> Session:
+    """This process's compile-only session, created and activated on the first call.
+
+    ``tpu-launch --compile-only``'s process calls it before running the script; ``import
+    tpu_dist`` calls it when ``TPU_DIST_COMPILE_ONLY=1``.
+    """
+    global _active
+    if _active is None:
+        _active = Session().activate()
+    return _active
+
+
+def active_session() -> Session | None:
+    """The session :func:`activate` made, if any."""
+    return _active
+
+
+def world_devices(world_size: int) -> tuple[Topology, Sequence[Any]]:
+    """:meth:`Session.world` of this process's session (activated if need be)."""
+    return activate().world(world_size)
