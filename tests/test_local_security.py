@@ -297,7 +297,8 @@ def test_dump_into_a_shared_directory_never_writes_through_a_planted_link(
     assert stat.S_IMODE(record.stat().st_mode) == 0o600
     assert json.loads(record.read_text())["rank"] == 0
     # The planted temporary name is still theirs, and no temporary file of ours is left.
-    assert _files(shared) == sorted(["tpu_dist_fr_rank0.json", f"tpu_dist_fr_rank0.json.tmp{os.getpid()}"])
+    planted_tmp = f"tpu_dist_fr_rank0.json.tmp{os.getpid()}"
+    assert _files(shared) == sorted(["tpu_dist_fr_rank0.json", planted_tmp])
 
 
 def test_default_directory_is_this_users_own(tmpdir_is: Path) -> None:

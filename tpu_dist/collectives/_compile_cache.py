@@ -194,7 +194,8 @@ class _Untrusted(Exception):
 def _problem(info: os.stat_result, uid: int) -> str | None:
     """Why a file or directory the cache would use is not the user's own, or None if it is."""
     if info.st_uid != uid or info.st_mode & 0o022:
-        return f"it is owned by uid {info.st_uid} (you are {uid}) with mode {info.st_mode & 0o777:o}"
+        mode = info.st_mode & 0o777
+        return f"it is owned by uid {info.st_uid} (you are {uid}) with mode {mode:o}"
     return None
 
 
