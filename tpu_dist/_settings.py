@@ -203,7 +203,7 @@ HEARTBEAT_TIMEOUT: Setting[float] = Setting(
 FLIGHT_RECORDER_DIR: Setting[str] = Setting(
     env="TPU_DIST_FLIGHT_RECORDER_DIR",
     default=None,
-    help="Where flight records are written (default: $TMPDIR/tpu_dist_flight_recorder).",
+    help="Where flight records are written (default: $TMPDIR/tpu_dist_flight_recorder-<uid>).",
     parse=_text,
 )
 FLIGHT_RECORDER_SIZE: Setting[int] = Setting(

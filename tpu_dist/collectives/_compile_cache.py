@@ -65,23 +65,51 @@ Where (``TPU_DIST_COMPILE_CACHE``, :data:`tpu_dist._settings.COMPILE_CACHE`):
 * ``1`` / ``on``: the default directory, on every platform.
 * an absolute path: that directory, on every platform.
 
-Loading an executable runs code from the file, so the directory must be the user's own: it is
-created with mode 0700, and a directory owned by another user or writable by group or others
-is not used (with a warning once). Each entry is written whole (a temporary file renamed into
-place) and carries a SHA-256 of its contents, so a truncated or damaged entry is found when it
-is read, before XLA sees it, and is compiled again (with a warning) and replaced. The
-directory is trimmed to :data:`MAX_BYTES`, least recently used entries first.
+Loading an executable runs code from the file, so only files the user wrote and only the user
+can change are ever loaded (:func:`private_directory`):
+
+* The directory is opened once a process, one path component at a time from ``/``, never
+  following a symbolic link by accident (``O_DIRECTORY | O_NOFOLLOW`` on each component, each
+  opened relative to the one before), and every entry, lock and temporary file is then reached
+  through that open directory (``dir_fd``), never by its path again: replacing the directory
+  (or a parent) by a link to another one after the check changes nothing for this process.
+* The directory must be owned by the user and writable by no one else; missing components are
+  created with mode 0700.
+* Every directory above it must be owned by root or the user and writable by no one else, as
+  ssh requires of ``~/.ssh``: whoever can write a parent can rename the cache away and put a
+  directory of their own in its place. Two exceptions: a *sticky* directory such as ``/tmp``
+  (mode 1777), where others can add entries but cannot rename or remove the user's, so below
+  it only the components themselves must be trusted; and a parent writable by the user's
+  private group (same name as the user, no other member), as Debian's ssh allows, since with
+  Ubuntu's default umask 002 ``~/.cache`` is group-writable.
+* A symbolic link on the way is followed only when the directory holding it is writable by no
+  one else, or when the link belongs to root or the user (in a sticky ``/tmp``, a link another
+  user planted is refused); what it points to is checked like the rest.
+* Each entry is opened with ``O_NOFOLLOW`` and checked after it is opened (``fstat``): a regular
+  file owned by the user and writable by no one else, or it is not loaded.
+
+Whatever fails a check is not used, with one warning that names the path, the owner and mode
+found and what to do: a directory turns the cache off for the process, an entry is compiled
+again and replaced; a collective never fails for it. Each entry is written whole (a temporary
+file created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and renamed into place) and carries a SHA-256
+of its contents, so a truncated or damaged entry is found when it is read, before XLA sees it,
+and is compiled again (with a warning) and replaced. The directory is trimmed to
+:data:`MAX_BYTES`, least recently used entries first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
+import grp
 import hashlib
 import logging
 import os
-import tempfile
+import pwd
+import secrets
+import stat
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -119,8 +147,15 @@ _SUFFIX = ".xla"
 _JAX_CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 _JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_MAX_LINKS = 40  # symbolic links followed while opening the directory, as the kernel allows
+
 _lock = threading.Lock()
 _resolved: dict[str, Path | None] = {}  # platform -> directory (None: off), once a process
+_fds: dict[str, int] = {}
+"""A checked directory's path -> the descriptor it was opened and checked through, kept open
+for the life of the process: every later access goes through it (``dir_fd``), never through
+the path, which another user may have changed since."""
 _trimmed = False
 _warned: set[str] = set()
 _fingerprint: str | None = None
@@ -152,27 +187,189 @@ def choose_directory(choice: str, platform: str) -> Path | None:
     return Path(choice)
 
 
-def private_directory(path: Path) -> Path | None:
-    """``path``, created private to this user (mode 0700); None, warned once, if it cannot be
-    created or trusted (owned by another user, or writable by group or others)."""
+class _Untrusted(Exception):
+    """A directory on the way to the cache, or a link in one, that others could change."""
+
+
+def _problem(info: os.stat_result, uid: int) -> str | None:
+    """Why a file or directory the cache would use is not the user's own, or None if it is."""
+    if info.st_uid != uid or info.st_mode & 0o022:
+        mode = info.st_mode & 0o777
+        return f"it is owned by uid {info.st_uid} (you are {uid}) with mode {mode:o}"
+    return None
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` is ``uid``'s own private group (same name as the user, the user's
+    primary group, no other member listed), as Debian's ssh allows for the parents of
+    ``~/.ssh``: with the user-private-group scheme (and umask 002, Ubuntu's default for users),
+    directories such as ``~/.cache`` are group-writable by that group only."""
     try:
-        path.mkdir(mode=0o700, parents=True, exist_ok=True)
-        info = path.stat()
+        user = pwd.getpwuid(uid)
+        group = grp.getgrgid(gid)
+    except KeyError:
+        return False
+    return (
+        gid == user.pw_gid and group.gr_name == user.pw_name
+        and set(group.gr_mem) <= {user.pw_name}
+    )
+
+
+def _check_parent(fd: int, where: str, path: Path, uid: int) -> os.stat_result:
+    """Check directory ``fd`` (at ``where``), a parent of the cache ``path``, as ssh checks
+    the parents of ``~/.ssh``: owned by root or the user, and writable by no one else (its
+    group may write if it is the user's private group, :func:`_private_group`) unless it is
+    sticky (``/tmp``: others cannot rename or remove what is not theirs)."""
+    info = os.fstat(fd)
+    writable = info.st_mode & (0o002 if _private_group(info.st_gid, uid) else 0o022)
+    if info.st_uid not in (0, uid) or (writable and not info.st_mode & stat.S_ISVTX):
+        raise _Untrusted(
+            f"not using the compile cache {path}: its parent directory {where} is owned by uid "
+            f"{info.st_uid} (you are {uid}) with mode {info.st_mode & 0o7777:o}, so whoever can "
+            "write to it can put a directory of their own in the cache's place, and loading a "
+            f"program runs its code. Point {_settings.COMPILE_CACHE.env} at a directory whose "
+            "every parent is owned by root or you and writable by no one else (a sticky one "
+            "such as /tmp is fine), or set it to 0."
+        )
+    return info
+
+
+def _open_private(path: Path) -> int:
+    """Open directory ``path``, creating what is missing with mode 0700, one
+    component at a time from ``/`` without following links unchecked; returns its descriptor.
+
+    Raises:
+        _Untrusted: a parent, a link on the way or the directory itself is not trusted
+            (:func:`_check_parent`, :func:`_problem`).
+        OSError: a component cannot be opened or created.
+    """
+    uid = os.getuid()
+    full = os.path.join(os.getcwd(), path)  # a relative XDG_CACHE_HOME: from here, as before
+    todo = [name for name in reversed(full.split("/")) if name not in ("", ".")]
+    stack = [(os.open("/", _DIR_FLAGS), "/")]  # the directories walked, deepest last
+    links = 0
+    try:
+        while todo:
+            name = todo.pop()
+            parent, where = stack[-1]
+            if name == "..":
+                if len(stack) > 1:
+                    os.close(stack.pop()[0])
+                continue
+            parent_info = _check_parent(parent, where, path, uid)
+            try:
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            except FileNotFoundError:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o700, dir_fd=parent)
+                fd = os.open(name, _DIR_FLAGS, dir_fd=parent)
+            except OSError as err:
+                if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                link = os.stat(name, dir_fd=parent, follow_symlinks=False)
+                if not stat.S_ISLNK(link.st_mode):
+                    raise
+                here = os.path.join(where, name)
+                if parent_info.st_mode & 0o022 and link.st_uid not in (0, uid):
+                    raise _Untrusted(
+                        f"not using the compile cache {path}: {here} is a symbolic link owned "
+                        f"by uid {link.st_uid} (you are {uid}) in {where}, which others can "
+                        f"write to (mode {parent_info.st_mode & 0o7777:o}). Point "
+                        f"{_settings.COMPILE_CACHE.env} at a directory of your own that only "
+                        "you can write (mode 0700), or set it to 0."
+                    ) from None
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, "too many levels of symbolic links", here) from None
+                target = os.readlink(name, dir_fd=parent)
+                if target.startswith("/"):
+                    while len(stack) > 1:
+                        os.close(stack.pop()[0])
+                todo.extend(n for n in reversed(target.split("/")) if n not in ("", "."))
+                continue
+            stack.append((fd, os.path.join(where, name)))
+        fd, _ = stack.pop()
+        try:
+            problem = _problem(os.fstat(fd), uid)
+        except OSError:
+            os.close(fd)
+            raise
+        if problem is not None:
+            os.close(fd)
+            raise _Untrusted(
+                f"not using the compile cache {path}: {problem}, and loading a program from it "
+                f"runs its code. Point {_settings.COMPILE_CACHE.env} at a directory of your own "
+                "that only you can write (mode 0700), or set it to 0."
+            )
+        return fd
+    finally:
+        for fd, _ in stack:
+            os.close(fd)
+
+
+def private_directory(path: Path) -> Path | None:
+    """``path``, created private to this user (mode 0700), opened and checked once
+    (:func:`_open_private`; the module doc says what is checked); later accesses go through
+    the descriptor it was opened with. None, warned once, if it cannot be created or trusted."""
+    try:
+        fd = _open_private(path)
+    except _Untrusted as err:
+        _warn_once(f"unsafe:{path}", "tpu_dist: %s", err)
+        return None
     except OSError as err:
         _warn_once(
             f"mkdir:{path}", "tpu_dist: cannot use %s=%s (%s); collective programs are "
             "compiled without the compile cache.", _settings.COMPILE_CACHE.env, path, err,
         )
         return None
-    if info.st_uid != os.getuid() or info.st_mode & 0o022:
-        _warn_once(
-            f"unsafe:{path}", "tpu_dist: not using the compile cache %s: it is owned by uid %d "
-            "(you are %d) with mode %o, and loading a program from it runs its code. Point %s "
-            "at a directory of your own that only you can write (mode 0700), or set it to 0.",
-            path, info.st_uid, os.getuid(), info.st_mode & 0o777, _settings.COMPILE_CACHE.env,
-        )
-        return None
+    with _lock:
+        # An earlier descriptor of the same path stays open: another thread may be using it.
+        _fds[str(path)] = fd
     return path
+
+
+def _root_fd(root: Path) -> int | None:
+    """The descriptor ``root`` was checked through (:func:`private_directory`, which is called
+    now if it was not yet); None if it is not trusted (warned)."""
+    fd = _fds.get(str(root))
+    if fd is None and private_directory(root) is not None:
+        fd = _fds.get(str(root))
+    return fd
+
+
+def _open_entry(root_fd: int, name: str, flags: int, path: Path, mode: int = 0o600) -> int:
+    """Open file ``name`` of the cache directory without following a link and check it is a
+    regular file of this user's that no one else can write.
+
+    Raises:
+        _Untrusted: it is not (the message says what it is and what to do).
+        OSError: it cannot be opened (FileNotFoundError: it is not there).
+    """
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=root_fd)
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise _Untrusted(
+            f"not using {path}: it is a symbolic link, and only files the compile cache wrote "
+            "itself are loaded. Remove it; the program is compiled again and stored in its place."
+        ) from None
+    try:
+        info = os.fstat(fd)
+        problem = _problem(info, os.getuid())
+        if problem is None and not stat.S_ISREG(info.st_mode):
+            problem = f"it is not a regular file (mode {info.st_mode:o})"
+    except BaseException:
+        os.close(fd)
+        raise
+    if problem is not None:
+        os.close(fd)
+        raise _Untrusted(
+            f"not using {path}: {problem}, and loading a program runs its code. Only files you "
+            "own and only you can write are used; remove it (or the whole directory) and the "
+            "program is compiled again and stored in its place."
+        )
+    return fd
 
 
 def directory(platform: str) -> Path | None:
@@ -320,11 +517,23 @@ def compile_turn(name: str, root: Path) -> Iterator[bool]:
     the turn only saves work.
     """
     locks = root / ".locks"
+    stripe = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % LOCK_STRIPES
     try:
-        locks.mkdir(mode=0o700, exist_ok=True)
-        stripe = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % LOCK_STRIPES
-        fd = os.open(locks / f"{stripe:03d}", os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as err:
+        root_fd = _root_fd(root)
+        if root_fd is None:
+            raise OSError(errno.EACCES, "the compile cache directory is not trusted (warned)")
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(".locks", 0o700, dir_fd=root_fd)
+        locks_fd = os.open(".locks", _DIR_FLAGS, dir_fd=root_fd)
+        try:
+            problem = _problem(os.fstat(locks_fd), os.getuid())
+            if problem is not None:
+                raise OSError(errno.EACCES, f"{problem}; remove it")
+            fd = _open_entry(locks_fd, f"{stripe:03d}", os.O_RDWR | os.O_CREAT,
+                             locks / f"{stripe:03d}")
+        finally:
+            os.close(locks_fd)
+    except (OSError, _Untrusted) as err:
         _warn_once(f"lock:{root}", "tpu_dist: cannot open a compile lock in %s (%s); each "
                    "process compiles its own programs.", locks, err)
         yield True
@@ -422,13 +631,27 @@ def load(
     or None (off, not there, or unusable: a damaged entry is warned about and left to be
     replaced by the next :func:`store`)."""
     root = directory(platform)
-    if root is None:
+    root_fd = None if root is None else _root_fd(root)
+    if root is None or root_fd is None:
         return None
-    path = root / entry_name(key, devices)
+    name = entry_name(key, devices)
+    path = root / name
     try:
-        data = path.read_bytes()
+        fd = _open_entry(root_fd, name, os.O_RDONLY | os.O_NONBLOCK, path)  # a FIFO: no wait
     except FileNotFoundError:
         return None
+    except _Untrusted as err:
+        _warn_once(f"unsafe:{path}", "tpu_dist: %s", err)
+        return None
+    except OSError as err:
+        _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
+                   "compiling the program instead.", path, err)
+        return None
+    try:
+        with os.fdopen(fd, "rb") as entry:
+            data = entry.read()
+            with contextlib.suppress(OSError):
+                os.utime(entry.fileno())  # trimming removes the least recently used first
     except OSError as err:
         _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
                    "compiling the program instead.", path, err)
@@ -459,8 +682,6 @@ def load(
         return None
     if compiled is None:
         return None
-    with contextlib.suppress(OSError):
-        os.utime(path)  # trimming removes the least recently used entries first
     return compiled, serialized
 
 
@@ -470,47 +691,62 @@ def store(
     """Put ``key``'s program over ``devices``, as :func:`serialize` gave it, in the cache (when
     on). Failures only warn: the program runs all the same."""
     root = directory(platform)
-    if root is None:
+    root_fd = None if root is None else _root_fd(root)
+    if root is None or root_fd is None:
         return
-    path = root / entry_name(key, devices)
+    name = entry_name(key, devices)
+    path = root / name
     body = b",".join(b"%d" % i for i in serialized.devices) + b"\n" + serialized.blob
     try:
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".tmp-")
+        # A new name, created here (O_EXCL) and never through a link; renamed into place.
+        tmp = f".tmp-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=root_fd)
         try:
             with os.fdopen(fd, "wb") as out:
                 out.write(_MAGIC)
                 out.write(hashlib.sha256(body).digest())
                 out.write(body)
-            os.replace(tmp, path)
+            os.replace(tmp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
         except BaseException:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=root_fd)
             raise
     except OSError as err:
         _warn_once(f"write:{root}", "tpu_dist: cannot write the compile cache entry %s: %s",
                    path, err)
         return
-    _trim_once(root)
+    _trim_once(root_fd)
 
 
-def _trim_once(root: Path) -> None:
-    """Remove the least recently used entries while the directory holds more than
-    :data:`MAX_BYTES`."""
+def _trim_once(root_fd: int) -> None:
+    """Remove the least recently used entries while the directory (open as ``root_fd``)
+    holds more than :data:`MAX_BYTES`."""
     global _trimmed
     with _lock:
         if _trimmed:
             return
         _trimmed = True
     entries = []
-    for entry in os.scandir(root):
-        with contextlib.suppress(OSError):
-            if entry.name.endswith(_SUFFIX):
-                info = entry.stat()
-                entries.append((info.st_mtime, info.st_size, entry.path))
+    try:
+        # A descriptor of its own: a listing moves its offset, and ``root_fd`` is shared with
+        # the processes forked from this one.
+        listing = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
+    except OSError:
+        return
+    try:
+        with os.scandir(listing) as scan:
+            for entry in scan:
+                with contextlib.suppress(OSError):
+                    if entry.name.endswith(_SUFFIX):
+                        info = entry.stat(follow_symlinks=False)
+                        entries.append((info.st_mtime, info.st_size, entry.name))
+    finally:
+        os.close(listing)
     total = sum(size for _, size, _ in entries)
-    for _, size, path in sorted(entries):
+    for _, size, name in sorted(entries):
         if total <= MAX_BYTES:
             break
         with contextlib.suppress(OSError):
-            os.unlink(path)
+            os.unlink(name, dir_fd=root_fd)
         total -= size

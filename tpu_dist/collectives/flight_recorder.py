@@ -7,17 +7,29 @@ op or root, its state (``scheduled``, ``completed``, ``failed``) and times.
 
 A rank writes its buffer as JSON to ``<dir>/tpu_dist_fr_rank<R>.json``, where
 ``<dir>`` is ``TPU_DIST_FLIGHT_RECORDER_DIR`` (default
-``$TMPDIR/tpu_dist_flight_recorder``):
+``$TMPDIR/tpu_dist_flight_recorder-<uid>``, one per user):
 
 * when a collective times out or a peer stops responding (the watchdog),
 * on ``SIGUSR2`` (installed only if the signal had no handler),
 * on demand: :func:`dump`.
 
+Records are written so that no one else can use them to make the job overwrite a file. The
+default directory is the user's own: created with mode 0700, and not used (the dump fails with
+a ``PermissionError`` that says why) if it is a symbolic link, belongs to another user or others
+can write to it, since anyone can create it first in a shared ``/tmp``. A directory named by
+``TPU_DIST_FLIGHT_RECORDER_DIR`` or passed to :func:`dump` is the user's choice and is not
+checked (it may be a shared directory that every host's ranks write to). In any directory a
+record is first written to a new file of a random name, created with ``O_CREAT | O_EXCL |
+O_NOFOLLOW`` (so never through a link someone planted), with mode 0600, then renamed over the
+record's name (which replaces a link there rather than writing through it); if the write fails
+(a full disk), the new file is removed and the previous record stays.
+
 The analyzer reads every rank's file of a directory and says, per group,
 which ranks are behind (their last sequence number is lower) and where ranks
 called different collectives at the same sequence number::
 
-    python -m tpu_dist.collectives.flight_recorder /tmp/tpu_dist_flight_recorder
+    python -m tpu_dist.collectives.flight_recorder          # the default directory
+    python -m tpu_dist.collectives.flight_recorder DIR
 
 The format is our own JSON, not the pickle of torch's NCCL flight recorder: torch 2.13's
 analyzer (``torch.distributed.flight_recorder.fr_trace``) accepts only records whose profiling
@@ -29,9 +41,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import errno
 import glob
 import json
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -100,10 +115,19 @@ class FlightRecorder:
         return entries
 
     def dump(self, directory: str | None = None, reason: str = "on demand") -> str:
-        """Write the buffer as JSON; returns the file's path."""
+        """Write the buffer as JSON; returns the file's path.
+
+        ``directory``: where to (default: :func:`default_dir`); the module doc says how the
+        record is written and what is checked.
+
+        Raises:
+            PermissionError: the default directory is not this user's own (the message says
+                whose it is and what to do).
+            OSError: the record cannot be written (nothing new is left in the directory).
+        """
         directory = directory or default_dir()
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"tpu_dist_fr_rank{self.rank}.json")
+        private = directory == _default_private_dir()
+        name = f"tpu_dist_fr_rank{self.rank}.json"
         record = {
             "version": FORMAT_VERSION,
             "rank": self.rank,
@@ -112,18 +136,82 @@ class FlightRecorder:
             "time": time.time(),
             "entries": self.entries(),
         }
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(record, f)
-        os.replace(tmp, path)
-        return path
+        data = json.dumps(record).encode()
+        dir_fd = _open_private_directory(directory) if private else _open_directory(directory)
+        try:
+            _write_new(dir_fd, name, data)
+        finally:
+            os.close(dir_fd)
+        return os.path.join(directory, name)
+
+
+def _open_directory(directory: str) -> int:
+    """``directory`` (created with mode 0700 if missing), opened."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    return os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+
+def _open_private_directory(directory: str) -> int:
+    """``directory``, created with mode 0700 if missing, opened without following a link, and
+    checked after it is opened: this user's, and writable by no one else.
+
+    Raises:
+        PermissionError: it is not.
+    """
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        raise PermissionError(
+            f"not writing the flight record to {directory}: it is a symbolic link or not a "
+            f"directory, and anyone can create it first in a shared temporary directory. "
+            f"Remove it, or set {DIR_ENV} to a directory of your own."
+        ) from None
+    info = os.fstat(fd)
+    uid = os.getuid()
+    if info.st_uid != uid or info.st_mode & 0o022:
+        os.close(fd)
+        raise PermissionError(
+            f"not writing the flight record to {directory}: it is owned by uid {info.st_uid} "
+            f"(you are {uid}) with mode {info.st_mode & 0o7777:o}, so others could replace or "
+            f"read records there. Remove it (it is created again, mode 0700), or set {DIR_ENV} "
+            "to a directory of your own."
+        )
+    return fd
+
+
+def _write_new(dir_fd: int, name: str, data: bytes) -> None:
+    """Put ``data`` in file ``name`` of the directory open as ``dir_fd``, mode 0600: written to
+    a new file of a random name (``O_EXCL | O_NOFOLLOW``), then renamed over ``name``. On any
+    failure the new file is removed."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)  # a network file system may report a failed write only here
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def default_dir() -> str:
-    """``TPU_DIST_FLIGHT_RECORDER_DIR``, or ``$TMPDIR/tpu_dist_flight_recorder``."""
-    return _settings.FLIGHT_RECORDER_DIR.read() or os.path.join(
-        tempfile.gettempdir(), "tpu_dist_flight_recorder"
-    )
+    """``TPU_DIST_FLIGHT_RECORDER_DIR``, or ``$TMPDIR/tpu_dist_flight_recorder-<uid>`` (this
+    user's own: :meth:`FlightRecorder.dump` checks it)."""
+    return _settings.FLIGHT_RECORDER_DIR.read() or _default_private_dir()
+
+
+def _default_private_dir() -> str:
+    return os.path.join(tempfile.gettempdir(), f"tpu_dist_flight_recorder-{os.getuid()}")
 
 
 _recorder = FlightRecorder(_settings.FLIGHT_RECORDER_SIZE.get())
@@ -145,7 +233,15 @@ def install_signal_handler(rank: int) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     if signal.getsignal(signal.SIGUSR2) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGUSR2, lambda signum, frame: _recorder.dump(reason="SIGUSR2"))
+        signal.signal(signal.SIGUSR2, _dump_on_signal)
+
+
+def _dump_on_signal(signum: int, frame: object) -> None:
+    # An error raised here would surface in whatever the main thread was doing: print it.
+    try:
+        _recorder.dump(reason="SIGUSR2")
+    except OSError as err:
+        print(f"tpu_dist: SIGUSR2: flight record not written: {err}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------
