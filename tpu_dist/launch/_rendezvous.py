@@ -201,7 +201,8 @@ class _Progress:
 
     def line(self, waited: float) -> str:
         v = self.view
-        timing = f"{waited:.0f} s of the {v.timeout_s:.0f} s rendezvous timeout"
+        kind = "rendezvous timeout" if v.backend == "static" else "rendezvous join timeout"
+        timing = f"{waited:.0f} s of the {v.timeout_s:.0f} s {kind}"
         if v.backend != "static" or v.node_rank is None or self.attempt is None:
             nodes = str(v.max_nodes) if v.min_nodes == v.max_nodes else f"{v.min_nodes}..{v.max_nodes}"
             return (
