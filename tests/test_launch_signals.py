@@ -52,7 +52,7 @@ class _Run:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            preexec_fn=_default_signals,
+            preexec_fn=_default_signals,  # noqa: PLW1509 (two signal() calls, no locks)
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -131,7 +131,7 @@ def test_launcher_waiting_for_a_node_stops_at_once_on_signal(
     code, elapsed, err, _ = waits[(sig, node)]
     assert code is not None, f"still alive {STOP_S} s after {sig.name}\n--- stderr\n{err}"
     # torchrun's SIGTERM death is 143 to a shell; tpu-launch exits 128 + N for every signal.
-    assert code == 128 + sig, f"exit {code} after {sig.name}\n--- stderr\n{err}"
+    assert code == 128 + sig, f"exit {code} {elapsed:.1f} s after {sig.name}\n--- stderr\n{err}"
     assert f"got {sig.name} while node {node} waited for the rendezvous at 127.0.0.1:" in err, err
 
 

@@ -204,7 +204,9 @@ class _Progress:
         kind = "rendezvous timeout" if v.backend == "static" else "rendezvous join timeout"
         timing = f"{waited:.0f} s of the {v.timeout_s:.0f} s {kind}"
         if v.backend != "static" or v.node_rank is None or self.attempt is None:
-            nodes = str(v.max_nodes) if v.min_nodes == v.max_nodes else f"{v.min_nodes}..{v.max_nodes}"
+            nodes = (
+                str(v.max_nodes) if v.min_nodes == v.max_nodes else f"{v.min_nodes}..{v.max_nodes}"
+            )
             return (
                 f"tpu-launch: waiting for the other node(s) to join the {v.backend} rendezvous at "
                 f"{v.endpoint} (id {v.run_id}; {nodes} nodes; {timing})"
@@ -312,7 +314,9 @@ class PerAttemptStore(RendezvousHandler):
         attempt = self._attempts
         self._attempts += 1
         view = self._view
-        progress = None if view is None else _Progress(view, attempt if not self._scoped_by_round else None)
+        # A c10d round's keys are its own; a static store's need the attempt (module docstring).
+        scoped_attempt = None if self._scoped_by_round else attempt
+        progress = None if view is None else _Progress(view, scoped_attempt)
         where = "the rendezvous" + (f" at {view.endpoint}" if view else "")
         return _interruptible(lambda: self._next(attempt), where, progress)
 
