@@ -174,7 +174,12 @@ Failure modes
   teardown (1-2 s for a process that imported torch, on a loaded host), so the job stops or
   restarts that much sooner; of several workers that failed in the same second, the one that
   ended first is the root cause.
-* **SIGINT/SIGTERM to the launcher**: every worker is stopped; exit code 128 + signal.
+* **SIGINT/SIGTERM to the launcher**: every worker is stopped; exit code 128 + signal. Also
+  while it waits in the rendezvous (no workers yet): it exits at once, where the wait used to
+  hold the signal until the rendezvous timeout (``tpu_dist.launch._rendezvous``).
+* **A node that does not come**: while the rendezvous waits, a line after 5 s and then every
+  30 s names the nodes it waits for, how many joined, and how long of the rendezvous timeout
+  (``--rdzv-conf timeout=SECONDS``, 900 by default) has passed.
 * **The launcher itself is killed (SIGKILL)**: the kernel kills its workers
   (``PR_SET_PDEATHSIG``), so nothing is left behind.
 """

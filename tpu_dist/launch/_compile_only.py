@@ -10,7 +10,8 @@ and reports through :mod:`tpu_dist.compile_job`.
 
 Exit code: 0 when the script finished (exit 0) and every collective compiled; the script's own
 code when it failed; 1 when a collective did not compile or nothing was recorded; 2 for a bad
-request (nothing started).
+request (nothing started), and when libtpu is missing or cannot describe the topology (checked
+before the script runs: that message is then the only error).
 """
 
 from __future__ import annotations
@@ -141,6 +142,16 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     topology = _settings.TOPOLOGY.read()
     slices = _settings.NUM_SLICES.get()
+    from tpu_dist.collectives import compile_job
+
+    # libtpu's devices first (the "tpu" groups need them; cached for them): without libtpu, or
+    # for a topology it cannot describe, that is the one error, before the script runs (else the
+    # script's init_process_group fails with it and the report then blames the script).
+    try:
+        compile_job.world_devices(world)
+    except (RuntimeError, ValueError) as err:
+        print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
+        return 2
     print(
         f"tpu-launch --compile-only: running {target} as rank {rank} of {world} "
         f"({topology} x {slices} slice(s)) in one process. No TPU is used and no data moves: "

@@ -461,19 +461,35 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
             watch.report_failure(summary, wait_for_stop=stop_wait())
         return 1
     except SignalException as err:
+        waited_for = _rendezvous.waiting()
         if watch is not None and watch.remote_failure is not None:
+            what = (
+                f"node {spec.node_rank}'s workers"
+                if waited_for is None
+                else f"node {spec.node_rank} while it waited for {waited_for}"
+            )
             sys.stderr.write(
-                f"tpu-launch: stopped node {spec.node_rank}'s workers because another host "
-                f"failed: {watch.remote_failure}\n"
+                f"tpu-launch: stopped {what} because another host failed: "
+                f"{watch.remote_failure}\n"
             )
             watch.report_stopped()
             watch.wait_until_stopped(stop_wait())
             return 1
         name = signal.Signals(err.sigval).name
-        sys.stderr.write(f"tpu-launch: got {name}; stopped node {spec.node_rank}'s workers\n")
+        if waited_for is not None:  # no workers of this node are running
+            sys.stderr.write(
+                f"tpu-launch: got {name} while node {spec.node_rank} waited for {waited_for}; "
+                "stopped (no workers were running)\n"
+            )
+        else:
+            sys.stderr.write(f"tpu-launch: got {name}; stopped node {spec.node_rank}'s workers\n")
         if watch is not None:
+            # In the rendezvous nobody runs workers yet: tell the nodes that joined, but do not
+            # linger for nodes that may never come.
             watch.report_failure(
-                f"node {spec.node_rank}: its launcher got {name}", wait_for_stop=stop_wait()
+                f"node {spec.node_rank}: its launcher got {name}",
+                wait_for_stop=stop_wait(),
+                linger=waited_for is None,
             )
         return 128 + int(err.sigval)
     except Exception as err:  # rendezvous errors and the like: say what, exit non-zero

@@ -135,21 +135,27 @@ class JobWatch:
             return err
         return None
 
-    def report_failure(self, reason: str, *, wait_for_stop: float = 0.0) -> None:
+    def report_failure(
+        self, reason: str, *, wait_for_stop: float = 0.0, linger: bool = True
+    ) -> None:
         """Tells the other launchers this host's workers failed (and are gone); waits until
-        they noticed (at most :attr:`linger` s), and with ``wait_for_stop`` > 0 (this launcher
-        hosts the coordination service) also until those that noticed stopped their workers,
-        at most ``wait_for_stop`` s more."""
+        they noticed (at most :attr:`linger` s; with ``linger`` False not at all, and only over a
+        connection the watch already has), and with
+        ``wait_for_stop`` > 0 (this launcher hosts the coordination service) also until those
+        that noticed stopped their workers, at most ``wait_for_stop`` s more."""
         self._stop.set()
         if self.remote_failure is not None:
             return  # we are stopping because of someone else; nothing new to tell
+        if not linger and self._store is None:
+            return  # the store never answered; connecting now would only delay the exit
         err = self._set(f"failed/{self.node_rank}", reason) or self._set(
             f"stopped/{self.node_rank}", "failed"
         )
         if err is not None:  # best effort: the others fail on their own
             logger.warning("tpu-launch: could not tell the other hosts about the failure: %s", err)
             return
-        self.wait_until_stopped(wait_for_stop)
+        if linger:
+            self.wait_until_stopped(wait_for_stop)
 
     def report_stopped(self) -> None:
         """Tells the other launchers this host's workers are gone, after it stopped them for
