@@ -142,13 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     topology = _settings.TOPOLOGY.read()
     slices = _settings.NUM_SLICES.get()
-    from tpu_dist.collectives import compile_job
+    from tpu_dist import compile_job
 
+    session = compile_job.activate()
     # libtpu's devices first (the "tpu" groups need them; cached for them): without libtpu, or
     # for a topology it cannot describe, that is the one error, before the script runs (else the
     # script's init_process_group fails with it and the report then blames the script).
     try:
-        compile_job.world_devices(world)
+        session.world(world)
     except (RuntimeError, ValueError) as err:
         print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
         return 2
@@ -160,9 +161,6 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
         flush=True,
     )
-    from tpu_dist import compile_job
-
-    session = compile_job.activate()
     store = _serve_store()
     started = time.monotonic()
     code = _run_script(mode, target, args)
