@@ -305,19 +305,22 @@ class Pipeline:
         sender first, then receives)."""
         return TPUWork(description, before_wait=before_wait, completer=self._s.completer)
 
-    def _p2p_call(self, op: P2POp, timeout: timedelta) -> Call:
+    def _p2p_call(self, op: P2POp, timeout: timedelta, *, described: bool = False) -> Call:
+        """``op`` as a call of its pair's "group": named ``send``/``recv`` (the flight
+        recorder's and the watchdog's op), or with ``described`` by its description
+        (``send (peer 1, tag 0)``, for an error message)."""
         low, high = op.plan.pair
+        name = op.work.description if described else op.plan.op
         return Call(
-            op.work.description, f"p2p:{low}-{high}", (low, high), op.seq, op.plan.key,
-            timeout, params=(f"tag={op.plan.tag}",),
+            name, f"p2p:{low}-{high}", (low, high), op.seq, op.plan.key, timeout,
+            params=(f"tag={op.plan.tag}",),
         )
 
     def _explain_p2p(
         self, err: BaseException, op: P2POp, timeout: timedelta
     ) -> dist.DistBackendError:
-        return _watchdog.explain_failure(
-            self._s.watchdog, err, self._p2p_call(op, timeout), self._s.rank
-        )
+        call = self._p2p_call(op, timeout, described=True)
+        return _watchdog.explain_failure(self._s.watchdog, err, call, self._s.rank)
 
     def _dispatch_p2p(self, op: P2POp, block: bool, timeout: timedelta) -> None:
         """Track, then start one queued point-to-point op as a two-device permute program.
