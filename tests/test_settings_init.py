@@ -70,3 +70,17 @@ def test_an_unreachable_coordination_service_is_an_error_in_bounded_time() -> No
         assert "set by TPU_DIST_COORDINATION_SERVICE" in trace and "within 5 s" in trace, trace
     assert all(code >= 0 for code in err.exitcodes.values()), err
     assert took < 60, took  # 5 s of waiting, plus starting two ranks on a loaded machine
+
+
+def test_a_coordinator_address_rank_0_cannot_listen_on_is_an_error() -> None:
+    # 192.0.2.1 (TEST-NET-1, RFC 5737) is no host's address: JAX's service could not bind it
+    # and ended rank 0 (SIGSEGV, "Failed to add port to server"), then JAX's client rank 1.
+    address = f"192.0.2.1:{free_port()}"
+    err, _ = _start_failure({"TPU_DIST_COORDINATOR_ADDRESS": address}, init_timeout_s=5)
+    assert sorted(err.errors) == [0, 1], err
+    assert f"rank 0 cannot host JAX's coordination service at {address}" in err.errors[0], err
+    assert "set by TPU_DIST_COORDINATOR_ADDRESS" in err.errors[0], err
+    # Rank 1 fails on the store rank 0 hosted (gone with it) or, if rank 0 is still up, on the
+    # address it published; either way an error, not a signal.
+    assert "DistNetworkError" in err.errors[1] or "DistStoreError" in err.errors[1], err
+    assert all(code >= 0 for code in err.exitcodes.values()), err

@@ -468,12 +468,42 @@ def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedel
     key = store_prefix() + _COORDINATOR_KEY
     if rank == 0:
         address = _settings.COORDINATOR_ADDRESS.read() or host_port(_host_address(), free_port())
-        store.set(key, address)
+        store.set(key, address)  # first: the others then fail naming it, not the store's key
+        _check_can_listen(address)
         return address
     store.wait([key], timeout)
     address = store.get(key).decode()
     _wait_until_listening(address, timeout.total_seconds(), rank, "published by rank 0")
     return address
+
+
+def _check_can_listen(address: str) -> None:
+    """Raise unless rank 0 can listen where its coordination service will (``address``, or
+    ``JAX_COORDINATOR_BIND_ADDRESS``): JAX's service crashed the process (SIGSEGV, "Failed to
+    add port to server") on an address of another host or a port in use.
+
+    Raises:
+        torch.distributed.DistNetworkError: binding that address failed.
+    """
+    where = bind_address(address)
+    host, _, port = where.rpartition(":")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+    except (OSError, ValueError) as err:
+        source = (
+            f"set by {_settings.COORDINATOR_ADDRESS.env}" if _settings.COORDINATOR_ADDRESS.read()
+            else "MASTER_ADDR, or this host's address, and a free port"
+        )
+        raise dist.DistNetworkError(
+            f"tpu_dist: rank 0 cannot host JAX's coordination service at {where} ({source}): "
+            f"{err}. Use an address of rank 0's host and a free port, or leave "
+            f"{_settings.COORDINATOR_ADDRESS.env} unset."
+        ) from err
 
 
 _SAY_WAITING_AFTER_S = 10.0
