@@ -178,18 +178,22 @@ def _stop_mid_collective(rank: int, world_size: int) -> None:
 
 @scenario
 def stopped_peer(tmp_path: Path) -> WorldError:
-    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=15) as world:
+    # Group timeout 8 s, heartbeat timeout 4 s: the stopped rank gets the group's timeout.
+    with World(3, backend="tpu", env=FAST, timeout=60, failure_grace=15,
+               init_kwargs={"timeout": datetime.timedelta(seconds=8)}) as world:
         return _failure(world, _stop_mid_collective)
 
 
-def test_stopped_peer_is_detected_by_heartbeat(scenarios) -> None:
+def test_stopped_peer_gets_the_group_timeout(scenarios) -> None:
     err = scenarios("stopped_peer")
-    # Ranks 0 and 2 end themselves (abort policy) naming rank 1, whose heartbeat stopped.
-    # Once rank 0 has gone, JAX's coordination service (which rank 0 hosts) aborts rank 2
-    # (SIGABRT) if its own watchdog has not ended it first.
+    # Ranks 0 and 2 end themselves (abort policy) after the group's timeout, not the heartbeat
+    # timeout (a paused rank may come back: tests/test_paused_rank.py), naming rank 1 as
+    # stopped. Once rank 0 has gone, JAX's coordination service (which rank 0 hosts) aborts
+    # rank 2 (SIGABRT) if its own watchdog has not ended it first.
     survivors = {err.exitcodes.get(0), err.exitcodes.get(2)}
     assert 1 in survivors and survivors <= {1, -signal.SIGABRT}, err
-    assert "rank(s) 1 (stopped, no heartbeat for" in str(err), err
+    assert "timed out after 8 s (the group's timeout)" in str(err), err
+    assert "rank(s) [1] are stopped (SIGSTOP" in str(err), err
 
 
 def _mismatched(rank: int, world_size: int) -> list[str]:

@@ -7,6 +7,10 @@ never through ``os.environ`` directly, and reads it once, when the object that u
 (the JAX runtime at its start, the watchdog when it starts, the flight recorder at import, the
 registration at ``import tpu_dist``).
 
+:func:`check` parses them all; the JAX runtime calls it on every rank before it starts, so a
+malformed value is the same ``ValueError`` on every rank, never an error on the one rank that
+reads it first and a crash on the others.
+
 The launcher's own flags (``tpu-launch --emulate`` / ``TPU_DIST_TOPOLOGY``, ``--tpu-base-port``
 / ``TPU_DIST_TPU_BASE_PORT``, ...) are declared with their flags in
 :mod:`tpu_dist.launch._cli`; where a flag's variable is also read by library code, the flag uses
@@ -21,6 +25,7 @@ launcher's worker entry, :mod:`tpu_dist.launch._worker`) spells out the names it
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from typing import Generic, Literal, TypeVar
@@ -96,14 +101,41 @@ def _zero_or_one(raw: str) -> bool:
     return value == "1"
 
 
-def _positive_float(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError("must be a positive number of seconds, e.g. 10.")
-    return value
+def _seconds(minimum: float, example: str) -> Callable[[str], float]:
+    """A number of seconds, at least ``minimum`` (shorter is no timeout: it would fire on a
+    healthy job), finite."""
+
+    def parse(raw: str) -> float:
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not minimum <= value < math.inf:
+            raise ValueError(
+                f"is not a usable number of seconds: use a finite number of at least "
+                f"{minimum:g}, e.g. {example}."
+            )
+        return value
+
+    return parse
+
+
+def _address(raw: str) -> str:
+    """``host:port`` (an IPv6 host in brackets, ``[::1]:8476``), port 1-65535."""
+    text = raw.strip()
+    host, colon, port = text.rpartition(":")
+    bracketed = host.startswith("[") and host.endswith("]") and len(host) > 2
+    ok = (
+        bool(colon) and port.isdigit() and 1 <= int(port) <= 65535
+        and bool(host) and not any(c.isspace() for c in host)
+        and (bracketed or ("[" not in host and "]" not in host and ":" not in host))
+    )
+    if not ok:
+        raise ValueError(
+            "is not an address: use host:port with a port from 1 to 65535, e.g. "
+            "10.0.0.1:8476 or [fd00::1]:8476 (an IPv6 host in brackets)."
+        )
+    return f"{host}:{int(port)}"
 
 
 def _positive_int(example: str) -> Callable[[str], int]:
@@ -120,11 +152,11 @@ def _positive_int(example: str) -> Callable[[str], int]:
     return parse
 
 
-def _int(raw: str) -> int:
-    try:
-        return int(raw.strip())
-    except ValueError:
-        raise ValueError("is not an exit code (an integer).") from None
+def _exit_code(raw: str) -> int:
+    text = raw.strip()
+    if not text.isdigit() or int(text) > 255:
+        raise ValueError("is not an exit code: use an integer from 0 to 255.")
+    return int(text)
 
 
 def _attempt(raw: str) -> int:
@@ -176,7 +208,7 @@ COORDINATOR_ADDRESS: Setting[str] = Setting(
     default=None,
     help="host:port of JAX's coordination service (default: rank 0's MASTER_ADDR and a free "
     "port).",
-    parse=_text,
+    parse=_address,
 )
 COORDINATION_SERVICE: Setting[str] = Setting(
     env="TPU_DIST_COORDINATION_SERVICE",
@@ -184,7 +216,7 @@ COORDINATION_SERVICE: Setting[str] = Setting(
     help="host:port of a JAX coordination service that runs outside the ranks (tpu-launch "
     "starts one per attempt and sets it); every rank, rank 0 included, connects as a client. "
     "Unset: rank 0 hosts the service.",
-    parse=_text,
+    parse=_address,
 )
 TIMEOUT_POLICY: Setting[str] = Setting(
     env="TPU_DIST_TIMEOUT_POLICY",
@@ -196,9 +228,10 @@ TIMEOUT_POLICY: Setting[str] = Setting(
 HEARTBEAT_TIMEOUT: Setting[float] = Setting(
     env="TPU_DIST_HEARTBEAT_TIMEOUT",
     default="10",
-    help="Seconds without a heartbeat after which a dead or stopped peer on this host counts "
-    "as gone.",
-    parse=_positive_float,
+    help="Seconds without a heartbeat after which a peer on this host whose process is dead "
+    "counts as gone (at least 0.1). A stopped (SIGSTOP) or silent peer is given the group's "
+    "timeout.",
+    parse=_seconds(0.1, "10"),
 )
 FLIGHT_RECORDER_DIR: Setting[str] = Setting(
     env="TPU_DIST_FLIGHT_RECORDER_DIR",
@@ -217,7 +250,7 @@ EXIT_CODE: Setting[int] = Setting(
     default=None,
     help="The exit code the program is leaving with (set by tpu-launch's worker entry as the "
     "program runs, so it is read when the process exits, not once).",
-    parse=_int,
+    parse=_exit_code,
 )
 LAUNCH_ATTEMPT: Setting[int] = Setting(
     env="TPU_DIST_LAUNCH_ATTEMPT",
@@ -290,8 +323,8 @@ METADATA_URL: Setting[str] = Setting(
 METADATA_TIMEOUT: Setting[float] = Setting(
     env="TPU_DIST_METADATA_TIMEOUT",
     default="1",
-    help="Seconds for one metadata request, connection included.",
-    parse=_positive_float,
+    help="Seconds for one metadata request, connection included (at least 0.01).",
+    parse=_seconds(0.01, "1"),
 )
 
 SETTINGS: tuple[Setting, ...] = (
@@ -300,3 +333,25 @@ SETTINGS: tuple[Setting, ...] = (
     DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
 )
 """Every declared setting, in the order above."""
+
+
+def check(environ: Mapping[str, str] | None = None) -> None:
+    """Parse every declared setting from ``environ`` (default: ``os.environ``).
+
+    The runtime calls this on every rank when the default "tpu" group is created, before JAX
+    starts or any rank talks to another, so that a malformed value is the same ``ValueError``
+    on every rank (with the same environment) instead of an error on the rank that reads it
+    first and a crash on the others.
+
+    Raises:
+        ValueError: one or more values are malformed; the message names each variable, its
+            value and what is accepted.
+    """
+    problems = []
+    for setting in SETTINGS:
+        try:
+            setting.read(environ)
+        except ValueError as err:
+            problems.append(str(err))
+    if problems:
+        raise ValueError("tpu_dist: malformed environment: " + " ".join(problems))

@@ -81,6 +81,7 @@ from tpu_dist.collectives._service import (
     JAX_SHUTDOWN_TIMEOUT_S,
     bind_address,
     free_port,
+    host_port,
 )
 
 logger = logging.getLogger(__name__)
@@ -207,11 +208,19 @@ class Runtime:
         is created.
 
         Raises:
+            ValueError: a ``TPU_DIST_*`` variable (or ``TORCHELASTIC_RESTART_COUNT``) is
+                malformed: checked first, before any rank talks to another.
+            torch.distributed.DistNetworkError: the coordination service did not accept a
+                connection within ``timeout``.
             RuntimeError: JAX already runs with another world (a new
                 ``init_process_group`` after ``destroy_process_group`` with a
                 different world size or rank), or JAX was started by someone else
                 before the first "tpu" group.
         """
+        # Every rank parses every setting before anything starts (issue 34): a malformed one
+        # read only later, by one rank, once JAX ran, crashed the others.
+        _settings.check()
+        attempt()
         with self.lock:
             info = self.info
             if info is not None:
@@ -245,7 +254,10 @@ class Runtime:
             outside = _settings.COORDINATION_SERVICE.read()
             if outside is not None:
                 address = outside
-                _wait_until_listening(address, timeout.total_seconds())
+                _wait_until_listening(
+                    address, timeout.total_seconds(), rank,
+                    f"set by {_settings.COORDINATION_SERVICE.env}",
+                )
             else:
                 address = _exchange_coordinator_address(store, rank, timeout)
             init_timeout = max(int(timeout.total_seconds()), 10)
@@ -478,34 +490,86 @@ def disconnect() -> None:
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
     key = store_prefix() + _COORDINATOR_KEY
     if rank == 0:
-        address = _settings.COORDINATOR_ADDRESS.read() or f"{_host_address()}:{free_port()}"
-        store.set(key, address)
+        address = _settings.COORDINATOR_ADDRESS.read() or host_port(_host_address(), free_port())
+        store.set(key, address)  # first: the others then fail naming it, not the store's key
+        _check_can_listen(address)
         return address
     store.wait([key], timeout)
     address = store.get(key).decode()
-    _wait_until_listening(address, timeout.total_seconds())
+    _wait_until_listening(address, timeout.total_seconds(), rank, "published by rank 0")
     return address
 
 
-def _wait_until_listening(address: str, timeout_s: float) -> None:
-    """Return once rank 0's coordination service accepts connections (or after ``timeout_s``).
+def _check_can_listen(address: str) -> None:
+    """Raise unless rank 0 can listen where its coordination service will (``address``, or
+    ``JAX_COORDINATOR_BIND_ADDRESS``): JAX's service crashed the process (SIGSEGV, "Failed to
+    add port to server") on an address of another host or a port in use.
+
+    Raises:
+        torch.distributed.DistNetworkError: binding that address failed.
+    """
+    where = bind_address(address)
+    host, _, port = where.rpartition(":")
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            host.strip("[]") or None, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+    except (OSError, ValueError) as err:
+        source = (
+            f"set by {_settings.COORDINATOR_ADDRESS.env}" if _settings.COORDINATOR_ADDRESS.read()
+            else "MASTER_ADDR, or this host's address, and a free port"
+        )
+        raise dist.DistNetworkError(
+            f"tpu_dist: rank 0 cannot host JAX's coordination service at {where} ({source}): "
+            f"{err}. Use an address of rank 0's host and a free port, or leave "
+            f"{_settings.COORDINATOR_ADDRESS.env} unset."
+        ) from err
+
+
+_SAY_WAITING_AFTER_S = 10.0
+
+
+def _wait_until_listening(address: str, timeout_s: float, rank: int, source: str) -> None:
+    """Return once the coordination service at ``address`` accepts connections.
 
     Rank 0 publishes the address before ``jax.distributed.initialize`` starts the service
     there. A rank whose client dials first is refused, and gRPC's first reconnect backoff
     is one second: 4-rank worlds took 1.1-1.3 s to initialise instead of 0.16 s. A plain TCP
-    connect, retried every 5 ms, tells when the port is open. Past ``timeout_s`` JAX's own
-    connect (and its error) takes over.
+    connect, retried every 5 ms, tells when the port is open. It also bounds the wait: JAX's
+    client, given an address where nothing listens, retried in silence and then ended the
+    process (SIGABRT). ``source`` says where the address came from; after 10 s a warning
+    names both.
+
+    Raises:
+        torch.distributed.DistNetworkError: nothing accepted a connection within ``timeout_s``.
     """
     host, _, port = address.rpartition(":")
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    said = False
     while True:
         try:
             socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
             return
-        except OSError:
-            if time.monotonic() >= deadline:
-                return
-            time.sleep(0.005)
+        except OSError as err:
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise dist.DistNetworkError(
+                    f"tpu_dist: rank {rank} could not connect to JAX's coordination service at "
+                    f"{address} ({source}) within {timeout_s:g} s (the group's timeout): "
+                    f"{err}. Check that the address is right and that the service runs there "
+                    "(tpu-launch starts one per attempt; outside tpu-launch rank 0 hosts it)."
+                ) from err
+            if not said and waited >= _SAY_WAITING_AFTER_S:
+                said = True
+                logger.warning(
+                    "tpu_dist: rank %d waits for JAX's coordination service at %s (%s): "
+                    "%s; giving up after %g s (the group's timeout).",
+                    rank, address, source, err, timeout_s,
+                )
+            time.sleep(0.005 if waited < 1.0 else 0.05)
 
 
 def _host_address() -> str:

@@ -39,6 +39,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets (``[fd00::1]:8476``), as gRPC and
+    ``TPU_DIST_COORDINATION_SERVICE``'s parser want it."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 def no_service_api(what: str, err: object) -> RuntimeError:
     """The error for a jaxlib whose private distributed-runtime calls are not the ones used here."""
     from jaxlib.version import __version__
@@ -74,7 +82,7 @@ def start_coordination_service(host: str, num_processes: int) -> tuple[object, s
     make = getattr(_jax, "get_distributed_runtime_service", None)
     if make is None:
         raise no_service_api("start a coordination service", "no get_distributed_runtime_service")
-    address = f"{host}:{free_port()}"
+    address = host_port(host, free_port())
     try:
         service = make(
             bind_address(address),

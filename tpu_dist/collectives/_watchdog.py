@@ -12,13 +12,18 @@ process watch instead:
   its groups;
 * the *watchdog* thread looks at every collective in flight. A peer is *gone*
   when it has exited (each rank notes its exit in the store), or when it runs
-  on this host and its process is dead, or stopped (SIGSTOP) with no heartbeat
-  for ``TPU_DIST_HEARTBEAT_TIMEOUT`` seconds (default 10). A peer that is only
-  silent (on another host, or holding the GIL in a long C call: the heartbeat
-  thread needs the GIL) is not declared dead: the group's timeout decides, as
-  on gloo. A collective older than its group's timeout has timed out, and the
-  ranks whose progress is below its sequence number are the ones that did not
-  arrive.
+  on this host and its process is dead, with no heartbeat for
+  ``TPU_DIST_HEARTBEAT_TIMEOUT`` seconds (default 10). A peer that is only
+  stopped or silent is not declared gone: the group's timeout decides, as on
+  gloo. That covers a rank paused by SIGSTOP (a debugger, Ctrl-Z, a cgroup
+  freezer) or a VM pause, a rank on another host, and one holding the GIL in a
+  long C call (the heartbeat thread needs the GIL). The same holds for the c10d
+  store: one that answers with errors (its host is gone) fails the collectives
+  after ``TPU_DIST_HEARTBEAT_TIMEOUT``, one that does not answer (its host is
+  paused) gets the group's timeout. A collective older than its group's
+  timeout has timed out, and the ranks whose progress is below its sequence
+  number are the ones that did not arrive (the error says which of them are
+  stopped or silent).
 
 What happens then is ``TPU_DIST_TIMEOUT_POLICY``:
 
@@ -139,7 +144,10 @@ class Watchdog:
         # rank -> (heartbeat value, local time it last changed)
         self._seen: dict[int, tuple[str, float]] = {}
         self._watch_ranks: set[int] = set()
+        # When the store last answered every request of a heartbeat, and the error of the
+        # requests since then, if one failed (None: they are still waiting for an answer).
         self._io_alive = time.monotonic()
+        self._io_error: str | None = None
         self._fired: set[int] = set()
         # Peers that noted their exit (rank -> local time first seen), and where each peer
         # runs (rank -> pid on this host, or None elsewhere).
@@ -279,7 +287,8 @@ class Watchdog:
                         seen[peer] = (value, now)
                     silent = now - seen[peer][1]
                     state = self._process_state(peer)
-                    if state == "dead" or (state is None and silent > self.group_timeout):
+                    # A stopped or silent peer gets the group's timeout, as in a collective.
+                    if state == "dead" or (state != "running" and silent > self.group_timeout):
                         peers.discard(peer)
                         continue
                     waits = self.rank in _parse_heartbeat(value)[2]
@@ -311,9 +320,15 @@ class Watchdog:
         key = f"{_KEY}{peer}"
         return self._store.get(key).decode() if self._store.check([key]) else ""
 
-    def _process_state(self, peer: int) -> str | None:
-        """``"dead"``, ``"stopped"`` or ``"running"`` for a peer on this host, else None."""
+    def _process_state(self, peer: int, fetch: bool = True) -> str | None:
+        """``"dead"``, ``"stopped"`` or ``"running"`` for a peer on this host, else None.
+
+        The peer's pid is read from the store the first time (``fetch``; without it, a peer
+        whose pid is not known yet is None: the watch thread never waits for the store).
+        """
         if peer not in self._pids:
+            if not fetch:
+                return None
             key = f"{_PROCESS}{peer}"
             if not self._store.check([key]):
                 return None
@@ -357,13 +372,17 @@ class Watchdog:
                         self._seen[peer] = (value, time.monotonic())
                     if peer not in self._exited and self._store.check([f"{_EXITED}{peer}"]):
                         self._exited[peer] = time.monotonic()
+                    if peer not in self._pids:
+                        self._process_state(peer)  # reads its pid, for the watch thread
                 for group in list(self._progress):
                     key = f"{_FAILED_GROUP}{group}/{self._epochs.get(group, 0)}"
                     if group not in self._failed_groups and self._store.check([key]):
                         self._failed_groups[group] = self._store.get(key).decode()
                 self._io_alive = time.monotonic()
+                self._io_error = None
             except Exception as err:  # the store is gone: the watch loop reports it
                 logger.debug("tpu_dist heartbeat: %s", err)
+                self._io_error = f"{type(err).__name__}: {err}".strip()
             self._stopping.wait(self.interval)
 
     def _watch_loop(self) -> None:
@@ -404,44 +423,52 @@ class Watchdog:
                     self._act(item, *diagnosis)
 
     def _diagnose(self, item: InFlight, now: float) -> tuple[str, bool] | None:
-        """Why ``item`` will not complete, and whether only exited peers are to blame."""
+        """Why ``item`` will not complete, and whether only exited peers are to blame.
+
+        Early (before the group's timeout) only for what cannot come back: a peer that noted
+        its exit, a dead process of this host, a store that fails every request. A peer that
+        is stopped or silent, and a store that does not answer, get the group's timeout
+        (this process may itself have been the one paused: everything looks silent then).
+        """
         where = (
             f"{item.op} (collective #{item.seq} of group {item.group!r}, ranks "
             f"{item.group_ranks}) on rank {self.rank}"
         )
-        if now - self._io_alive > self.heartbeat_timeout:
+        store_quiet = now - self._io_alive
+        error = self._io_error
+        if error is not None and store_quiet > self.heartbeat_timeout:
             return (
-                f"{where}: the c10d store has not answered for {now - self._io_alive:.0f} s; "
-                "the rank hosting it (rank 0 with env:// rendezvous) is gone or stopped.",
+                f"{where}: the c10d store has failed every request for {store_quiet:.0f} s "
+                f"({error}); the process hosting it (rank 0 with env:// rendezvous, else the "
+                "launcher) is gone.",
                 False,
             )
         gone = []
         silent = []
+        stopped = []
         for peer in item.group_ranks:
             if peer == self.rank:
                 continue
             seen = self._seen.get(peer)
             since = item.started if seen is None else max(seen[1], item.started)
             quiet = now - since > self.heartbeat_timeout
-            if quiet:
-                silent.append(peer)
             # XLA's own error (a closed connection) comes first for a peer that exited or
             # died; this catches the rest: rank 0 waiting at exit for the others (its
-            # connections stay open), a peer gone before it connected, a stopped peer.
+            # connections stay open), a peer gone before it connected.
             exited = self._exited.get(peer)
             if exited is not None and now - exited > 2 * self.interval:
                 gone.append(f"{peer} (exited)")
                 continue
             if not quiet:
                 continue
-            try:
-                state = self._process_state(peer)
-            except Exception:  # the store is gone: reported above once it is for long
-                state = None
+            # The pid is known once the heartbeat thread has read it (no store call here).
+            state = self._process_state(peer, fetch=False)
             if state == "dead":
                 gone.append(f"{peer} (its process is gone)")
             elif state == "stopped":
-                gone.append(f"{peer} (stopped, no heartbeat for {now - since:.0f} s)")
+                stopped.append(peer)
+            else:
+                silent.append(peer)
         if gone:
             return (
                 f"{where}: rank(s) {', '.join(gone)} will not join it "
@@ -455,15 +482,26 @@ class Watchdog:
                 progress = _parse_heartbeat(seen[0])[1] if seen else {}
                 if peer != self.rank and progress.get(item.group, -1) < item.seq:
                     behind.append(peer)
-            note = (
-                f"; rank(s) {silent} sent no heartbeat for more than "
-                f"{self.heartbeat_timeout:.0f} s (stopped, hung, or holding the GIL)"
-                if silent else ""
-            )
+            notes = ""
+            if stopped:
+                notes += (
+                    f"; rank(s) {stopped} are stopped (SIGSTOP: a debugger, Ctrl-Z, a cgroup "
+                    "freezer)"
+                )
+            if silent:
+                notes += (
+                    f"; rank(s) {silent} sent no heartbeat for more than "
+                    f"{self.heartbeat_timeout:g} s (paused, hung, or holding the GIL)"
+                )
+            if store_quiet > self.heartbeat_timeout:
+                notes += (
+                    f"; the c10d store has not answered for {store_quiet:.0f} s (its host, "
+                    "rank 0 with env:// rendezvous, may be paused)"
+                )
             return (
                 f"{where} timed out after {item.timeout:.0f} s (the group's timeout); ranks "
                 f"that did not arrive: {behind or 'unknown (all issued it; a rank may be stuck)'}"
-                f"{note}.",
+                f"{notes}.",
                 False,
             )
         return None
