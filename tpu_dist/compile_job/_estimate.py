@@ -13,10 +13,13 @@ scaling book's model ("How to Scale Your Model", the sharded-matrices chapter).
   reduce-scatter over one wraparound torus axis moves ``(n-1)/n V`` through links carrying
   ``W = 2 L`` (both directions of ``L`` GB/s per link), so about ``V / W``; an all-reduce twice
   that; spreading the group over several axes adds their rings, dividing the time by their
-  number; a group across slices is capped by DCN. An all-to-all over ICI is a quarter of an
-  all-gather of the same bytes (on a bidirectional ring a block travels ``n/4`` links on
-  average instead of ``n - 1``; the book's ``V / (4 W)``); over DCN (a switched network) it is
-  not.
+  number; a group across slices is capped by DCN. The bound is per chip: on TPU7x a ring over
+  both devices of each chip passes between them over the chip's die-to-die link, so each ICI
+  link still carries each byte once (die-to-die bandwidth is not published; not charged). An
+  all-to-all over ICI takes a quarter of an all-gather of the same bytes (the book's
+  ``V / (4 W)``: each block goes to one chip, on average ``n / 4`` links away on a
+  bidirectional ring, so each link carries a quarter of what an all-gather puts on it); over
+  DCN (a switched network, the NIC the bound) it does not.
 * Latency: ``hops x 1 us`` (the book: about 1 us per ICI hop). An all-gather on a bidirectional
   ring of ``k`` chips moves data ``k // 2`` hops in each direction; along an axis that does not
   wrap around (a line of chips) ``k - 1``. A group spanning several axes runs the axes one
