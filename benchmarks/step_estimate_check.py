@@ -22,9 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tpu_dist.compile_job import estimate_fsdp_tp_step  # noqa: E402
-from tpu_dist.compile_job._estimate import LLAMA3_1_405B, LLAMA3_1_70B  # noqa: E402
-from tpu_dist.mesh import Topology  # noqa: E402
+from tpu_dist.compile_job import estimate_fsdp_tp_step
+from tpu_dist.compile_job._estimate import LLAMA3_1_70B, LLAMA3_1_405B
+from tpu_dist.mesh import Topology
 
 SEQ = 8192
 PUBLISHED = [
@@ -44,7 +44,7 @@ def main() -> int:
     for shape, spec, per_device, measured_s, measured_mfu in PUBLISHED:
         topo = Topology.parse(spec)
         for convention in ("maxtext", "torchtitan"):
-            step, collectives = estimate_fsdp_tp_step(
+            step, _ = estimate_fsdp_tp_step(
                 shape, topo, global_batch=per_device * topo.num_devices, seq_len=SEQ,
                 convention=convention)
             # Full remat: the 6N part becomes 8N (forward run twice); attention likewise.

@@ -21,7 +21,7 @@ from tpu_dist.compile_job import (
     fsdp_tp_collectives,
     step_estimate,
 )
-from tpu_dist.compile_job._estimate import LLAMA3_1_405B, LLAMA3_1_70B, LLAMA3_8B
+from tpu_dist.compile_job._estimate import LLAMA3_1_70B, LLAMA3_1_405B, LLAMA3_8B
 from tpu_dist.mesh import Topology, get_generation
 
 GiB = 2**30

@@ -49,7 +49,12 @@ from tpu_dist.compile_job._estimate import (
     fsdp_tp_collectives,
     step_estimate,
 )
-from tpu_dist.compile_job._session import Session, activate, active_session, world_devices
+from tpu_dist.compile_job._session import (
+    Session,
+    activate,
+    active_session,
+    world_devices,
+)
 
 __all__ = [
     "COMPILE_ONLY_ENV",

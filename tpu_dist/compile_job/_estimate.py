@@ -70,8 +70,8 @@ from tpu_dist.mesh import Topology, bus_factor, expected_busbw, plan_mesh
 __all__ = [
     "DCN_STEP_SECONDS",
     "ICI_HOP_SECONDS",
-    "LLAMA3_1_405B",
     "LLAMA3_1_70B",
+    "LLAMA3_1_405B",
     "LLAMA3_8B",
     "CollectiveTime",
     "DecoderShape",
