@@ -206,18 +206,28 @@ def test_bad_requests_exit_2_before_starting() -> None:
 
 
 def test_estimate_follows_the_bandwidth_model() -> None:
+    """Bandwidth plus latency (tpu_dist/compile_job/_estimate.py), on a 4-chip wrapped ring.
+
+    v5p 4x4x4, 4 chips along x: L = 1200 / 6 / 2 = 100 GB/s per link and direction, a wrapped
+    ring carries 2 L = 200 GB/s; a bidirectional ring of 4 chips is 4 // 2 = 2 hops of 1 us.
+    reduce_scatter of b = 1 MiB: 0.75 b / 200e9 = 3.93 us + 2 us = 5.93 us. all_reduce = a
+    reduce-scatter then an all-gather: twice that (bandwidth and hops). Twice the bytes: twice
+    the bandwidth term, the same latency. all_gather of b per rank: S = 4 b, four times the
+    bandwidth term, the same 2 hops.
+    """
     topo = Topology.parse("v5p:4x4x4")
     ring = [int(r) for r in topo.rank_grid()[0, :, 0, 0, 0]]  # 4 chips along x: a wrapped ring
     b = 1 << 20
+    bw = 0.75 * b / 200e9
     rs = estimate_seconds("reduce_scatter", topo, ring, b)
+    assert rs == pytest.approx(bw + 2e-6)
     assert estimate_seconds("allreduce", topo, ring, b) == pytest.approx(2 * rs)
-    assert estimate_seconds("reduce_scatter", topo, ring, 2 * b) == pytest.approx(2 * rs)
-    # (n - 1) / n of the bytes at 2 x 100 GB/s (both directions of a 1200 GB/s / 6-port link).
-    assert rs == pytest.approx(0.75 * b / 200e9)
-    assert estimate_seconds("allgather", topo, ring, b) == pytest.approx(4 * rs)
-    # Two slices: the DCN cap (50 Gb/s per chip) rules.
+    assert estimate_seconds("reduce_scatter", topo, ring, 2 * b) == pytest.approx(2 * bw + 2e-6)
+    assert estimate_seconds("allgather", topo, ring, b) == pytest.approx(4 * bw + 2e-6)
+    # Two slices: the DCN cap (50 Gb/s per chip) rules: 2 * (1/2) * b / 6.25e9, plus one DCN
+    # step (ceil(log2 2)) of 10 us per pass, two passes.
     two = Topology.parse("v5p:4x4x4", 2)
     across = [0, two.num_devices // 2]
-    assert estimate_seconds("allreduce", two, across, b) == pytest.approx(b / 6.25e9)
+    assert estimate_seconds("allreduce", two, across, b) == pytest.approx(b / 6.25e9 + 20e-6)
     # TPU7x's two TensorCores of one chip use no link.
     assert estimate_seconds("allreduce", Topology.parse("tpu7x:2x2x1"), [0, 1], b) is None

@@ -17,6 +17,9 @@ ranks there), and reports on every collective the script issued. The pieces, in 
 3. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).
+4. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
+   lower bound from the model's FLOPs at the device's peak and the communication that cannot
+   overlap compute (pure arithmetic; see ``tpu_dist/compile_job/_estimate.py``).
 
 ``TPU_DIST_COMPILE_ONLY=1`` (which ``tpu-launch`` sets) activates the session at ``import
 tpu_dist``. Only the process that runs the script calls any of this; there are no peers. The
@@ -34,17 +37,44 @@ from tpu_dist.compile_job._compile import (
     estimate_seconds,
     write_report,
 )
-from tpu_dist.compile_job._session import Session, activate, active_session, world_devices
+from tpu_dist.compile_job._estimate import (
+    CollectiveTime,
+    DecoderShape,
+    StepCollective,
+    StepEstimate,
+    collective_time,
+    estimate_fsdp_tp_step,
+    flops_per_device,
+    flops_per_token,
+    fsdp_tp_collectives,
+    step_estimate,
+)
+from tpu_dist.compile_job._session import (
+    Session,
+    activate,
+    active_session,
+    world_devices,
+)
 
 __all__ = [
     "COMPILE_ONLY_ENV",
+    "CollectiveTime",
     "CompileReport",
     "CompiledCall",
+    "DecoderShape",
     "Session",
+    "StepCollective",
+    "StepEstimate",
     "activate",
     "active_session",
+    "collective_time",
     "enabled",
+    "estimate_fsdp_tp_step",
     "estimate_seconds",
+    "flops_per_device",
+    "flops_per_token",
+    "fsdp_tp_collectives",
+    "step_estimate",
     "world_devices",
     "write_report",
 ]

@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from tpu_dist.collectives.pipelines import Kind
-from tpu_dist.mesh import Topology, bus_factor, expected_busbw
+from tpu_dist.compile_job._estimate import collective_time
+from tpu_dist.mesh import Topology
 
 if TYPE_CHECKING:
     from tpu_dist.compile_job._recording import RecordedCall
@@ -35,32 +36,35 @@ def libtpu_topology(topology: Topology) -> str:
 def estimate_seconds(
     kind: str, topology: Topology, group_ranks: Sequence[int], bytes_per_rank: int
 ) -> float | None:
-    """A bandwidth-only estimate of one call of a ``kind`` program over ``group_ranks``.
+    """The modelled time of one call of a ``kind`` program over ``group_ranks``: bandwidth
+    plus per-hop latency (:func:`tpu_dist.compile_job._estimate.collective_time`).
 
-    ``t = S * factor / busbw``: nccl-tests' bus-bandwidth convention read backwards, with
+    Bandwidth: ``S * factor / busbw``, nccl-tests' bus-bandwidth convention read backwards, with
     ``busbw`` the topology model's bound for the group (:func:`tpu_dist.mesh.expected_busbw`:
     ``L = ici_gbytes_per_s / ici_ports / 2`` GB/s per link and direction, ``2 L`` per spanned
     torus axis that wraps around and ``L`` per one that does not, capped by DCN at
     ``dcn_gbits_per_s / 8`` GB/s per chip when the group spans slices), ``factor`` the op's
     (:func:`tpu_dist.mesh.bus_factor`: ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for
     an all-gather with ``S`` its output, a reduce-scatter and an all-to-all, 1 for a send) and
-    ``S`` the op's message size. Latency is ignored, so small messages come out near zero. None
-    when the group's devices share one chip (TPU7x's two TensorCores): no link is used.
+    ``S`` the op's message size; an all-to-all over ICI takes a quarter of that (the JAX
+    scaling book). Latency: about 1 us per ICI hop, ``k // 2`` hops along a wraparound axis of
+    ``k`` chips (``k - 1`` along a line), summed over the spanned axes, one more for the two
+    devices of a TPU7x chip, twice for an all-reduce; ``ceil(log2 slices)`` DCN steps of an
+    assumed 10 us across slices. A 4-byte all_reduce over 128 TPU7x devices (``4x4x4``) is
+    14 us of latency and 0.013 ns of bandwidth. None when the group's devices share one chip
+    (TPU7x's two TensorCores): no link is used.
 
     Checked against the JAX scaling book ("How to Scale Your Model", the chapter on sharded
     matrices): its all-gather of a 33.6 MB bf16[2048, 8192] array over a ring of 8 v5e chips
-    takes 373 us at 9e10 B/s per link (both directions); this gives 294 us over a v5e 2x4
-    (100 GB/s per link from Cloud's 400 GB/s per chip over 4 ports, and the (n - 1) / n factor
-    the book drops): 0.79x.
+    takes 373 us at 9e10 B/s per link (both directions); this gives 294 us of bandwidth plus
+    4 us of latency over a v5e 2x4 (100 GB/s per link from Cloud's 400 GB/s per chip over 4
+    ports, and the (n - 1) / n factor the book drops): 0.80x.
     """
     kind = Kind(kind)
-    op = kind.bench_op
-    expectation = expected_busbw(topology, group_ranks, op)
-    if expectation is None:
-        return None
-    n = len(group_ranks)
-    size = kind.bench_bytes(bytes_per_rank, n)
-    return size * bus_factor(op, n) / (expectation.busbw_gbytes_per_s * 1e9)
+    found = collective_time(
+        kind.bench_op, topology, group_ranks, kind.bench_bytes(bytes_per_rank, len(group_ranks))
+    )
+    return None if found is None else found.seconds
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -158,7 +162,7 @@ class CompileReport:
                              f"{c.first_call}:\n  {c.error}")
         lines.append("")
         lines.append("est/call: message size over the topology model's bus-bandwidth bound "
-                     "(ICI/DCN link speeds, latency ignored; tpu_dist.compile_job."
+                     "(ICI/DCN link speeds) plus ~1 us per ICI hop (tpu_dist.compile_job."
                      "estimate_seconds); temp: the program's scratch memory on each device.")
         return "\n".join(lines)
 

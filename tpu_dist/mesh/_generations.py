@@ -19,6 +19,20 @@ v7x     3-D        whole cubes  2      2            4 (2x2x1)    1200  100  "TPU
 
 (ICI in GB/s summed over a chip's links, DCN in Gb/s.) v2 and v3 are not modelled.
 
+Compute and memory per chip (Cloud TPU docs, each generation's ``compute_source``) and per JAX
+device (a rank: the chip, or on v7x one of its two TensorCores), used by the step estimate
+(:mod:`tpu_dist.compile_job`):
+
+======= ============= ======== ========== ==================================================
+name    bf16 TFLOP/s  HBM GiB  HBM GB/s   per device
+======= ============= ======== ========== ==================================================
+v4      275           32       1200       = chip (one megacore device)
+v5e     197           16       819        = chip
+v5p     459           95       2765       = chip (one megacore device)
+v6e     918           32       1638       = chip
+v7x     2307          192      7380       chip / 2: 1153.5 TFLOP/s, 96 GiB, 3690 GB/s
+======= ============= ======== ========== ==================================================
+
 [*] Hosts of a *multi-host* v5e/v6e slice hold a 2x2 block of chips (the 4-chip VM types
 ``ct5lp-hightpu-4t`` / ``ct6e-standard-4t``, and what libtpu lays out); a slice of at most 8
 chips is served by one host, so ``v5litepod-8`` / ``v6e-8`` is a single 2x4 host (the 8-chip VM
@@ -112,6 +126,18 @@ class Generation:
     """Data-center-network bandwidth per chip, Gb/s."""
     source: str
     """Where the figures come from."""
+    peak_bf16_tflops_per_chip: float | None = None
+    """Peak dense bf16 matrix throughput of one chip, TFLOP/s (1e12), as Cloud TPU's docs state
+    it; ``None``: not known (the step estimate then has no compute time). Per device:
+    :attr:`peak_bf16_flops_per_device`."""
+    hbm_gib_per_chip: float | None = None
+    """HBM capacity of one chip, GiB (2**30 bytes); ``None``: not known. Per device:
+    :attr:`hbm_bytes_per_device`."""
+    hbm_gbytes_per_s_per_chip: float | None = None
+    """HBM bandwidth of one chip, GB/s (1e9 bytes); ``None``: not known. Per device:
+    :attr:`hbm_bytes_per_s_per_device`."""
+    compute_source: str = ""
+    """Where the three compute and memory figures above come from (a Cloud TPU docs page)."""
 
     def __post_init__(self) -> None:
         if self.torus_ndim not in (2, 3):
@@ -135,6 +161,42 @@ class Generation:
             )
         if self.torus_ndim == 2 and self.pod_side is None:
             raise ValueError(f"a 2-D generation needs pod_side, got {self.name=}")
+        for field in ("peak_bf16_tflops_per_chip", "hbm_gib_per_chip",
+                      "hbm_gbytes_per_s_per_chip"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError(
+                    f"{field} must be positive or None (not known), got {value!r} for "
+                    f"{self.name}"
+                )
+
+    # -- one device's compute and memory -------------------------------------------------------
+    #
+    # A JAX device (a rank) is a whole chip on v4 and v5p (megacore: one device drives both
+    # TensorCores), v5e and v6e (one TensorCore), and one of the two TensorCores of a TPU7x chip
+    # (``devices_per_chip == 2``): each per-device figure is the chip's over devices_per_chip.
+    # TPU7x: 2,307 / 2 = 1,153.5 TFLOP/s, 192 / 2 = 96 GiB, 7,380 / 2 = 3,690 GB/s per device.
+
+    @property
+    def peak_bf16_flops_per_device(self) -> float | None:
+        """Peak dense bf16 FLOP/s of one JAX device (the chip's over ``devices_per_chip``)."""
+        if self.peak_bf16_tflops_per_chip is None:
+            return None
+        return self.peak_bf16_tflops_per_chip * 1e12 / self.devices_per_chip
+
+    @property
+    def hbm_bytes_per_device(self) -> int | None:
+        """HBM bytes of one JAX device (the chip's over ``devices_per_chip``)."""
+        if self.hbm_gib_per_chip is None:
+            return None
+        return int(self.hbm_gib_per_chip * 2**30) // self.devices_per_chip
+
+    @property
+    def hbm_bytes_per_s_per_device(self) -> float | None:
+        """HBM bytes/s of one JAX device (the chip's over ``devices_per_chip``)."""
+        if self.hbm_gbytes_per_s_per_chip is None:
+            return None
+        return self.hbm_gbytes_per_s_per_chip * 1e9 / self.devices_per_chip
 
     # -- slice shapes ---------------------------------------------------------------------------
 
@@ -350,6 +412,13 @@ V4 = register_generation(
             "DCN: not published for v4, 25 Gb/s per chip is an estimate; device kind, 2x2x1 "
             "hosts and one megacore device per chip: libtpu 0.0.52 (chip_config_name='megacore')"
         ),
+        peak_bf16_tflops_per_chip=275.0,
+        hbm_gib_per_chip=32.0,
+        hbm_gbytes_per_s_per_chip=1200.0,
+        compute_source=(
+            "cloud.google.com/tpu/docs/v4 (System architecture): peak compute per chip 275 "
+            "TFLOP/s (bf16 or int8), HBM2 32 GiB at 1200 GB/s; one megacore device per chip"
+        ),
     )
 )
 V5E = register_generation(
@@ -381,6 +450,14 @@ V5E = register_generation(
             "cloud.google.com/kubernetes-engine/docs/concepts/tpus), as libtpu 0.0.52 lays "
             "them out"
         ),
+        peak_bf16_tflops_per_chip=197.0,
+        hbm_gib_per_chip=16.0,
+        hbm_gbytes_per_s_per_chip=819.0,
+        compute_source=(
+            "cloud.google.com/tpu/docs/v5e (System architecture): peak compute per chip (bf16) "
+            "197 TFLOP/s, HBM 16 GiB at 819 GB/s (older versions of the page say '16 GB' and "
+            "'800 GiBps'; the current table's 16 GiB / 819 GBps is used)"
+        ),
     )
 )
 V5P = register_generation(
@@ -406,6 +483,14 @@ V5P = register_generation(
             "cloud.google.com/tpu/docs/v5p: 1200 GB/s bidirectional ICI and 50 Gb/s DCN per "
             "chip, 4-chip VMs, slices up to 16x16x24 (6144 chips), 4x4x4 and larger are full "
             "3-D tori; device kind 'TPU v5' and 2x2x1 hosts: libtpu 0.0.52"
+        ),
+        peak_bf16_tflops_per_chip=459.0,
+        hbm_gib_per_chip=95.0,
+        hbm_gbytes_per_s_per_chip=2765.0,
+        compute_source=(
+            "cloud.google.com/tpu/docs/v5p (System architecture): peak compute per chip (BF16) "
+            "459 TFLOP/s, HBM capacity per chip 95 GiB, HBM bandwidth 2765 GB/s; one megacore "
+            "device per chip"
         ),
     )
 )
@@ -436,6 +521,15 @@ V6E = register_generation(
             "v6e-8 is one 2x4 host), multi-host slices are made of 4-chip 2x2 VMs "
             "(ct6e-standard-4t), as libtpu 0.0.52 lays them out"
         ),
+        peak_bf16_tflops_per_chip=918.0,
+        hbm_gib_per_chip=32.0,
+        hbm_gbytes_per_s_per_chip=1638.0,
+        compute_source=(
+            "cloud.google.com/tpu/docs/v6e (System architecture): peak compute per chip (bf16) "
+            "918 TFLOP/s, HBM bandwidth 1638 GB/s; capacity 32 GiB from the comparison table "
+            "of cloud.google.com/tpu/docs/tpu7x ('HBM capacity per chip (GiB)': 32; the v6e "
+            "page itself says '32 GB')"
+        ),
     )
 )
 V7X = register_generation(
@@ -461,6 +555,14 @@ V7X = register_generation(
             "chip, two TensorCores per chip exposed as two devices, 4-chip VMs, 9216-chip pod; "
             "the slice shapes are assumed to follow v5p's cube rules; device kind, two devices "
             "per chip (core_on_chip 0/1) and 2x2x1-chip hosts: libtpu 0.0.52"
+        ),
+        peak_bf16_tflops_per_chip=2307.0,
+        hbm_gib_per_chip=192.0,
+        hbm_gbytes_per_s_per_chip=7380.0,
+        compute_source=(
+            "cloud.google.com/tpu/docs/tpu7x (System architecture): peak compute per chip "
+            "(BF16) 2307 TFLOP/s, HBM capacity per chip 192 GiB at 7380 GB/s; two devices per "
+            "chip, so 1153.5 TFLOP/s, 96 GiB and 3690 GB/s per device"
         ),
     )
 )

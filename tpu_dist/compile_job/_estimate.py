@@ -1,0 +1,517 @@
+"""How long a training step must take: the collective, compute and step models (pure).
+
+Three models, each a few lines of arithmetic on the hardware facts of
+:class:`tpu_dist.mesh.Generation` and the chip layout of :class:`tpu_dist.mesh.Topology`; no JAX,
+no torch, nothing runs. Compile-only mode uses the first for each collective's ``est_seconds``
+(:func:`tpu_dist.compile_job.estimate_seconds`); the other two give a step's lower bound.
+
+**One collective** (:func:`collective_time`): ``t = bandwidth term + latency term``, the JAX
+scaling book's model ("How to Scale Your Model", the sharded-matrices chapter).
+
+* Bandwidth: the message size over the topology's bus-bandwidth bound for the group
+  (:func:`tpu_dist.mesh.expected_busbw`, :func:`tpu_dist.mesh.bus_factor`): an all-gather or a
+  reduce-scatter over one wraparound torus axis moves ``(n-1)/n V`` through links carrying
+  ``W = 2 L`` (both directions of ``L`` GB/s per link), so about ``V / W``; an all-reduce twice
+  that; spreading the group over several axes adds their rings, dividing the time by their
+  number; a group across slices is capped by DCN. The bound is per chip: on TPU7x a ring over
+  both devices of each chip passes between them over the chip's die-to-die link, so each ICI
+  link still carries each byte once (die-to-die bandwidth is not published; not charged). An
+  all-to-all over ICI takes a quarter of an all-gather of the same bytes (the book's
+  ``V / (4 W)``: each block goes to one chip, on average ``n / 4`` links away on a
+  bidirectional ring, so each link carries a quarter of what an all-gather puts on it); over
+  DCN (a switched network, the NIC the bound) it does not.
+* Latency: ``hops x 1 us`` (the book: about 1 us per ICI hop). An all-gather on a bidirectional
+  ring of ``k`` chips moves data ``k // 2`` hops in each direction; along an axis that does not
+  wrap around (a line of chips) ``k - 1``. A group spanning several axes runs the axes one
+  after the other (each block crosses every spanned axis), so their hops add. **Why ring hops
+  and not a tree's log**: XLA:TPU's collectives are rings along the torus axes; nothing in them
+  takes a shortcut across the torus, so the data from the farthest chip really crosses that many
+  links (a tree on a torus still needs the diameter). An all-reduce is a reduce-scatter then an
+  all-gather: twice the hops. A send goes the shortest torus path between its two chips. The
+  two TensorCores of one TPU7x chip add one hop (their die-to-die link; its latency is not
+  published). Across slices the DCN part is a switched network: ``ceil(log2 slices)`` steps
+  (recursive doubling) of :data:`DCN_STEP_SECONDS` each, an *assumed* figure (no Cloud TPU page
+  publishes DCN latency), twice for an all-reduce.
+
+Worked example (the issue's): a 4-byte all_reduce over 128 TPU7x devices, ``tpu7x:4x4x4``
+(64 chips, every axis wraps around): bandwidth ``4 * 2 * 127/128 / 600e9 = 0.013 ns``
+(3 axes x 2 x 100 GB/s), latency ``2 * (4//2 + 4//2 + 4//2 + 1) * 1 us = 14 us`` (two passes,
+3 axes of 4 chips plus the chip's two cores). It is all latency, as it should be.
+
+**Compute** (:func:`flops_per_token`, :func:`flops_per_device`): a Llama-style decoder's
+training FLOPs per token, TorchTitan's count ``6 N + 12 L H d_h s`` (``N`` the parameters
+without the token embedding, ``L`` layers, ``H`` heads of ``d_h``, sequence ``s``: forward
+``2``, backward ``4`` FLOPs per weight and per attention multiply-add, the attention's two
+``s x s`` matmuls counted over the whole square: **no causal discount**), or MaxText's, which
+halves the attention term (a causal mask skips half the square). Remat (recomputation) is not
+counted: these are model FLOPs, the numerator of MFU.
+
+**A step** (:func:`step_estimate`, :func:`estimate_fsdp_tp_step`): compute at the device's
+peak bf16 rate; communication split into what can overlap compute (FSDP's prefetched
+all-gathers and asynchronous reduce-scatters, hidden up to the compute time) and what sits on
+the critical path (tensor parallelism's activation collectives: the next matmul waits for
+them); ``step >= compute + exposed``, the exposed communication being the critical path plus
+whatever overlappable communication exceeds compute. The MFU bound is the model FLOPs over
+(step bound x peak): no real step does better. Lower bounds, not predictions: they leave out
+memory-bound work (norms, softmax, optimizer), remat, kernel efficiency and stragglers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+from tpu_dist.mesh import Topology, bus_factor, expected_busbw, plan_mesh
+
+__all__ = [
+    "DCN_STEP_SECONDS",
+    "ICI_HOP_SECONDS",
+    "LLAMA3_1_70B",
+    "LLAMA3_1_405B",
+    "LLAMA3_8B",
+    "CollectiveTime",
+    "DecoderShape",
+    "StepCollective",
+    "StepEstimate",
+    "collective_time",
+    "estimate_fsdp_tp_step",
+    "flops_per_device",
+    "flops_per_token",
+    "fsdp_tp_collectives",
+    "step_estimate",
+]
+
+ICI_HOP_SECONDS = 1e-6
+"""Latency of one ICI hop: about 1 us (the JAX scaling book, "A note on ICI latency")."""
+
+DCN_STEP_SECONDS = 10e-6
+"""Latency of one step of a collective across slices over DCN. **Assumed**, not published:
+the Cloud TPU docs give DCN bandwidth only; 10 us is a datacenter network's one-way latency
+with RDMA-class NICs. Replace it when a measured figure exists."""
+
+FlopsConvention = Literal["torchtitan", "maxtext"]
+
+
+# -- one collective -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CollectiveTime:
+    """The modelled time of one collective call, by term (module docstring)."""
+
+    bandwidth_seconds: float
+    """Message bytes over the group's bus-bandwidth bound."""
+    latency_seconds: float
+    """``ici_hops * ICI_HOP_SECONDS + dcn_steps * DCN_STEP_SECONDS``."""
+    ici_hops: int
+    """ICI hops on the critical path (both passes of an all-reduce)."""
+    dcn_steps: int
+    """DCN steps (0 within one slice)."""
+    basis: str
+    """Which links bound the bandwidth (:attr:`tpu_dist.mesh.Expectation.basis`)."""
+
+    @property
+    def seconds(self) -> float:
+        """The call's time: bandwidth plus latency."""
+        return self.bandwidth_seconds + self.latency_seconds
+
+
+_PASSES = {
+    "all_reduce": 2,  # a reduce-scatter, then an all-gather
+    "all_gather_into_tensor": 1,
+    "reduce_scatter_tensor": 1,
+    "all_to_all_single": 1,
+    "broadcast": 1,
+    "send_recv": 1,
+}
+
+
+def collective_time(
+    op: str, topology: Topology, ranks: Sequence[int], size_bytes: int
+) -> CollectiveTime | None:
+    """The modelled time of one ``op`` over the global ``ranks`` (module docstring).
+
+    Args:
+        op: A ``tpu-dist-bench`` op name (``all_reduce``, ``all_gather_into_tensor``,
+            ``reduce_scatter_tensor``, ``all_to_all_single``, ``broadcast``, ``send_recv``).
+        topology: The chips the ranks drive.
+        ranks: The group's global ranks.
+        size_bytes: nccl-tests' message size ``S``: an all-gather's *output*, a
+            reduce-scatter's *input*, an all-reduce's buffer, a send's message.
+
+    Returns:
+        The time by term, or None when the group uses no link (one rank, or the two devices of
+        one TPU7x chip).
+
+    Raises:
+        ValueError: ``op`` is not one of the names above.
+    """
+    if op not in _PASSES:
+        raise ValueError(f"unknown collective op {op!r}; the model knows {sorted(_PASSES)}")
+    ranks_arr = np.asarray(list(ranks), dtype=np.int64)
+    expectation = expected_busbw(topology, ranks_arr, op)
+    if expectation is None:
+        return None
+    n = ranks_arr.size
+    bandwidth = size_bytes * bus_factor(op, n) / (expectation.busbw_gbytes_per_s * 1e9)
+    over_dcn = expectation.basis.startswith("DCN")
+    if op == "all_to_all_single" and not over_dcn:
+        bandwidth /= 4
+    ici_hops, dcn_steps = _hops(op, topology, ranks_arr)
+    passes = _PASSES[op]
+    ici_hops, dcn_steps = passes * ici_hops, passes * dcn_steps
+    return CollectiveTime(
+        bandwidth_seconds=bandwidth,
+        latency_seconds=ici_hops * ICI_HOP_SECONDS + dcn_steps * DCN_STEP_SECONDS,
+        ici_hops=ici_hops,
+        dcn_steps=dcn_steps,
+        basis=expectation.basis,
+    )
+
+
+def _hops(op: str, topology: Topology, ranks: np.ndarray) -> tuple[int, int]:
+    """ICI hops and DCN steps of one pass of ``op`` over ``ranks`` (module docstring)."""
+    slices = topology.slice_of(ranks)
+    num_slices = np.unique(slices).size
+    if op == "send_recv":
+        hops = topology.ici_hops(ranks[:-1], ranks[1:]) if ranks.size > 1 else np.zeros(1)
+        ici = int(hops.max(initial=0))
+        return max(ici, 0), int(np.any(hops < 0))
+    ici = 0
+    wrap = topology.wraparound
+    for s in np.unique(slices):
+        mine = ranks[slices == s]
+        coords = topology.coords_of(mine)
+        hops = 0
+        for axis, side in enumerate(topology.shape):
+            k = np.unique(coords[:, axis]).size
+            if k > 1:
+                hops += k // 2 if (wrap[axis] and k == side) else k - 1
+        if np.unique(coords, axis=0).shape[0] < mine.size:
+            hops += 1  # two devices of one chip: the die-to-die step
+        ici = max(ici, hops)
+    dcn = math.ceil(math.log2(num_slices)) if num_slices > 1 else 0
+    return ici, dcn
+
+
+# -- compute ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DecoderShape:
+    """A Llama-style decoder: grouped-query attention, SwiGLU MLP, RMSNorm, untied output.
+
+    Parameters per layer: ``q`` and ``o`` projections ``dim x dim``, ``k`` and ``v``
+    ``dim x (n_kv_heads * head_dim)``, the MLP ``3 x dim x ffn_dim``, two norms of ``dim``;
+    plus the token embedding and the output projection (``vocab x dim`` each) and a final norm.
+    """
+
+    name: str
+    dim: int
+    """Model width (``n_heads * head_dim``)."""
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    """The MLP's hidden width."""
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"{field} must be positive, got {getattr(self, field)!r}")
+        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"dim must split into n_heads heads and n_heads into n_kv_heads groups, got "
+                f"{self.dim=} {self.n_heads=} {self.n_kv_heads=}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        kv = self.n_kv_heads * self.head_dim
+        return 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + (
+            2 * self.dim
+        )
+
+    @property
+    def embedding_params(self) -> int:
+        """The token embedding's parameters (``vocab x dim``)."""
+        return self.vocab_size * self.dim
+
+    @property
+    def params(self) -> int:
+        """All parameters: embedding, blocks, final norm, output projection."""
+        return 2 * self.embedding_params + self.n_layers * self.layer_params + self.dim
+
+    @property
+    def non_embedding_params(self) -> int:
+        """``params`` less the token embedding (a lookup, no FLOPs); the output projection, a
+        real matmul, stays (as TorchTitan counts it)."""
+        return self.params - self.embedding_params
+
+
+LLAMA3_8B = DecoderShape(
+    name="Llama 3 8B", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+    vocab_size=128256,
+)
+LLAMA3_1_70B = DecoderShape(
+    name="Llama 3.1 70B", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
+    vocab_size=128256,
+)
+LLAMA3_1_405B = DecoderShape(
+    name="Llama 3.1 405B", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
+    vocab_size=128256,
+)
+
+
+def flops_per_token(
+    shape: DecoderShape, seq_len: int, convention: FlopsConvention = "torchtitan"
+) -> float:
+    """Training FLOPs (forward and backward) per token of a ``seq_len`` sequence.
+
+    ``"torchtitan"``: ``6 N + 6 L H (2 d_h) s`` with ``N`` the non-embedding parameters, no
+    causal discount (TorchTitan's ``get_num_flop_per_token``). ``"maxtext"``: the attention
+    term halved for the causal mask (MaxText's ``calculate_tflops_training_per_device``;
+    MaxText also leaves the norms' weights out, under 0.01 % of ``N``, kept here).
+    """
+    if convention not in ("torchtitan", "maxtext"):
+        raise ValueError(f"convention must be 'torchtitan' or 'maxtext', got {convention!r}")
+    attention = 6 * shape.n_layers * shape.n_heads * 2 * shape.head_dim * seq_len
+    if convention == "maxtext":
+        attention /= 2
+    return 6 * shape.non_embedding_params + attention
+
+
+def flops_per_device(
+    shape: DecoderShape,
+    *,
+    global_batch: int,
+    seq_len: int,
+    dp: int,
+    tp: int = 1,
+    convention: FlopsConvention = "torchtitan",
+) -> float:
+    """Training FLOPs of one device for one step of ``global_batch`` sequences of ``seq_len``.
+
+    The step's tokens split over ``dp`` data-parallel ranks (replicas and FSDP shards alike)
+    and each rank's work over ``tp`` tensor-parallel ranks: ``flops_per_token * global_batch *
+    seq_len / (dp * tp)``.
+
+    Raises:
+        ValueError: ``global_batch`` does not split over ``dp``.
+    """
+    if global_batch % dp:
+        raise ValueError(
+            f"global_batch={global_batch} does not split over dp={dp} data-parallel ranks; "
+            "make it a multiple of dp"
+        )
+    tokens = global_batch * seq_len
+    return flops_per_token(shape, seq_len, convention) * tokens / (dp * tp)
+
+
+# -- a step -------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepEstimate:
+    """One training step's lower bound, per device: the report's ``"step"`` object."""
+
+    flops_per_device: float
+    """Model FLOPs one device computes per step."""
+    compute_seconds: float
+    """``flops_per_device`` at the device's peak bf16 rate."""
+    comm_seconds: float
+    """All modelled communication per step, overlappable or not."""
+    exposed_comm_seconds: float
+    """The part that cannot hide behind compute: critical-path collectives plus whatever
+    overlappable communication exceeds the compute time."""
+    step_seconds: float
+    """The lower bound: ``compute_seconds + exposed_comm_seconds``."""
+    mfu_bound: float
+    """``flops_per_device / (step_seconds * peak)``: the best MFU the step can reach."""
+    tokens_per_second_per_device: float
+    """The step's tokens per device over ``step_seconds``: an upper bound."""
+    hbm_peak_bytes: int | None
+    """Peak HBM one device needs for the step; None when not tracked."""
+    hbm_capacity_bytes: int | None
+    """The device's HBM (:attr:`tpu_dist.mesh.Generation.hbm_bytes_per_device`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def step_estimate(
+    *,
+    flops_per_device: float,
+    peak_flops_per_s: float,
+    tokens_per_device: float,
+    overlappable_comm_seconds: float = 0.0,
+    critical_comm_seconds: float = 0.0,
+    hbm_capacity_bytes: int | None = None,
+    hbm_peak_bytes: int | None = None,
+) -> StepEstimate:
+    """The step's lower bound from its compute and communication (module docstring).
+
+    Raises:
+        ValueError: a non-positive peak, or negative FLOPs, tokens or seconds.
+    """
+    if not peak_flops_per_s > 0:
+        raise ValueError(f"peak_flops_per_s must be positive, got {peak_flops_per_s!r}")
+    for name, value in (("flops_per_device", flops_per_device),
+                        ("tokens_per_device", tokens_per_device),
+                        ("overlappable_comm_seconds", overlappable_comm_seconds),
+                        ("critical_comm_seconds", critical_comm_seconds)):
+        if value < 0:
+            raise ValueError(f"{name} must not be negative, got {value!r}")
+    compute = flops_per_device / peak_flops_per_s
+    exposed = critical_comm_seconds + max(0.0, overlappable_comm_seconds - compute)
+    step = compute + exposed
+    return StepEstimate(
+        flops_per_device=flops_per_device,
+        compute_seconds=compute,
+        comm_seconds=overlappable_comm_seconds + critical_comm_seconds,
+        exposed_comm_seconds=exposed,
+        step_seconds=step,
+        mfu_bound=flops_per_device / (step * peak_flops_per_s) if step > 0 else 0.0,
+        tokens_per_second_per_device=tokens_per_device / step if step > 0 else 0.0,
+        hbm_peak_bytes=hbm_peak_bytes,
+        hbm_capacity_bytes=hbm_capacity_bytes,
+    )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCollective:
+    """One kind of collective a step issues, with its modelled time."""
+
+    name: str
+    """What it is for (``"fsdp all_gather (forward)"``)."""
+    op: str
+    """Its ``tpu-dist-bench`` op name."""
+    group_size: int
+    size_bytes: int
+    """nccl-tests' message size ``S`` of one call (:func:`collective_time`)."""
+    calls: int
+    """Calls per step."""
+    seconds_per_call: float
+    overlappable: bool
+    """Whether it can run under compute (FSDP's) or sits on the critical path (TP's)."""
+
+    @property
+    def seconds(self) -> float:
+        """Per step: ``calls * seconds_per_call``."""
+        return self.calls * self.seconds_per_call
+
+
+def fsdp_tp_collectives(
+    shape: DecoderShape,
+    topology: Topology,
+    *,
+    tp: int,
+    batch_per_dp_rank: int,
+    seq_len: int,
+    param_bytes: int = 2,
+    grad_bytes: int = 4,
+    activation_bytes: int = 2,
+) -> list[StepCollective]:
+    """The collectives of one step of FSDP2 (over dp) x Megatron TP (over tp), per device.
+
+    The mesh is :func:`tpu_dist.mesh.plan_mesh`'s ``(dp, tp)`` layout of every device of
+    ``topology`` (tp innermost: its groups are ICI neighbours); one dp group and one tp group
+    stand for all. FSDP units: each transformer block, and one more for the embedding, final
+    norm and output projection. Per unit: an all-gather of its ``param_bytes`` parameters
+    before the forward and again before the backward (resharded after the forward), and a
+    reduce-scatter of its ``grad_bytes`` gradients (4: fp32, FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` as TorchTitan uses it), all
+    of the TP-local shard. Per block with ``tp > 1``: two activation all-reduces in the forward
+    (after the attention output and the MLP down projection) and two in the backward, of
+    ``batch_per_dp_rank x seq_len x dim`` ``activation_bytes`` words; two more for the embedding
+    and the output. TP collectives are on the critical path; FSDP's are not.
+
+    Raises:
+        ValueError: ``tp`` does not divide the devices.
+    """
+    n = topology.num_devices
+    if tp < 1 or n % tp:
+        raise ValueError(f"tp={tp} must divide the topology's {n} devices")
+    dp = n // tp
+    mesh = plan_mesh(topology, (dp, tp))
+    dp_group = [int(r) for r in mesh[:, 0]]
+    tp_group = [int(r) for r in mesh[0, :]]
+    found: list[StepCollective] = []
+
+    def add(name: str, op: str, group: list[int], size: int, calls: int, overlap: bool) -> None:
+        t = collective_time(op, topology, group, size) if len(group) > 1 else None
+        if t is None:
+            return
+        found.append(StepCollective(
+            name=name, op=op, group_size=len(group), size_bytes=size, calls=calls,
+            seconds_per_call=t.seconds, overlappable=overlap,
+        ))
+
+    units = [("block", shape.layer_params, shape.n_layers),
+             ("embedding+output", 2 * shape.embedding_params + shape.dim, 1)]
+    for unit, params, count in units:
+        local = params // tp  # this TP rank's part of the unit
+        # all_gather's S is its output (the TP-local unit); reduce_scatter's S its input.
+        add(f"fsdp all_gather {unit} (forward)", "all_gather_into_tensor", dp_group,
+            local * param_bytes, count, True)
+        add(f"fsdp all_gather {unit} (backward)", "all_gather_into_tensor", dp_group,
+            local * param_bytes, count, True)
+        add(f"fsdp reduce_scatter {unit} grads", "reduce_scatter_tensor", dp_group,
+            local * grad_bytes, count, True)
+    if tp > 1:
+        act = batch_per_dp_rank * seq_len * shape.dim * activation_bytes
+        add("tp all_reduce block activations", "all_reduce", tp_group, act,
+            4 * shape.n_layers, False)
+        add("tp all_reduce embedding/output", "all_reduce", tp_group, act, 2, False)
+    return found
+
+
+def estimate_fsdp_tp_step(
+    shape: DecoderShape,
+    topology: Topology,
+    *,
+    global_batch: int,
+    seq_len: int,
+    tp: int = 1,
+    convention: FlopsConvention = "torchtitan",
+    grad_bytes: int = 4,
+) -> tuple[StepEstimate, list[StepCollective]]:
+    """The step lower bound of ``shape`` trained with FSDP x TP over every device of
+    ``topology`` (:func:`fsdp_tp_collectives`, :func:`step_estimate`), and its collectives,
+    costliest first.
+
+    Raises:
+        ValueError: the generation has no peak FLOP/s figure, or the batch does not split.
+    """
+    gen = topology.generation
+    peak = gen.peak_bf16_flops_per_device
+    if peak is None:
+        raise ValueError(
+            f"{gen.name} has no peak_bf16_tflops_per_chip figure; register the generation "
+            "with one (tpu_dist.mesh.register_generation) to estimate compute time"
+        )
+    dp = topology.num_devices // tp
+    flops = flops_per_device(shape, global_batch=global_batch, seq_len=seq_len, dp=dp, tp=tp,
+                             convention=convention)
+    collectives = fsdp_tp_collectives(shape, topology, tp=tp,
+                                      batch_per_dp_rank=global_batch // dp, seq_len=seq_len,
+                                      grad_bytes=grad_bytes)
+    step = step_estimate(
+        flops_per_device=flops,
+        peak_flops_per_s=peak,
+        tokens_per_device=global_batch * seq_len / topology.num_devices,
+        overlappable_comm_seconds=sum(c.seconds for c in collectives if c.overlappable),
+        critical_comm_seconds=sum(c.seconds for c in collectives if not c.overlappable),
+        hbm_capacity_bytes=gen.hbm_bytes_per_device,
+    )
+    return step, sorted(collectives, key=lambda c: -c.seconds)
