@@ -342,7 +342,7 @@ def test_preflight_tpu_devices_lockfile_and_host_count(tmp_path: Path) -> None:
     env = compute_worker_env(spec, {})
 
     stale = preflight(
-        spec, env, lockfile=str(lockfile), device_globs=[str(device)], port_free=lambda p: True
+        spec, env, lockfile=str(lockfile), dev_root=str(tmp_path), port_free=lambda p: True
     )
     messages = [(p.severity, p.message) for p in stale]
     assert any(s == "error" and "has 2 hosts, but --nnodes is 3" in m for s, m in messages)
@@ -354,7 +354,7 @@ def test_preflight_tpu_devices_lockfile_and_host_count(tmp_path: Path) -> None:
     )
     try:
         held = preflight(
-            spec, env, lockfile=str(lockfile), device_globs=[str(device)], port_free=lambda p: True
+            spec, env, lockfile=str(lockfile), dev_root=str(tmp_path), port_free=lambda p: True
         )
         errors = [p.message for p in held if p.severity == "error"]
         assert any(m.startswith(f"{device} is held by pid {proc.pid}") for m in errors), errors
@@ -365,7 +365,7 @@ def test_preflight_tpu_devices_lockfile_and_host_count(tmp_path: Path) -> None:
         proc.wait()
     taken = spec.tpu_base_port + 1
     busy = preflight(
-        spec, env, lockfile=str(lockfile), device_globs=[], port_free=lambda p: p != taken
+        spec, env, lockfile=str(lockfile), dev_root=str(tmp_path / "none"), port_free=lambda p: p != taken
     )
     assert any(f"TPU_PROCESS_PORT {taken} (local rank 1) is in use" in p.message for p in busy)
     started = time.monotonic()

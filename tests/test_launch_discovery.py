@@ -67,7 +67,7 @@ def metadata_server() -> Iterator[Server]:
 
 def test_no_tpu_is_single_host_and_never_asks_the_metadata_server(metadata_server: Server) -> None:
     url, requests = metadata_server
-    found = discover({}, metadata=MetadataClient(base_url=url), sysfs_root="/nonexistent")
+    found = discover({}, metadata=MetadataClient(base_url=url), sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert found == Discovery(on_tpu=False)
     assert requests == []
 
@@ -83,7 +83,7 @@ def test_env_source_reads_gke_and_multislice_variables() -> None:
         "MEGASCALE_COORDINATOR_ADDRESS": "w-0.slice0.svc",
         "TPU_SKIP_MDS_QUERY": "true",
     }
-    found = discover(env, sysfs_root="/nonexistent")
+    found = discover(env, sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert found.worker_id == 2 and found.worker_hostnames == (
         "w-0.svc",
         "w-1.svc",
@@ -97,9 +97,9 @@ def test_env_source_reads_gke_and_multislice_variables() -> None:
 
 
 def test_gke_job_completion_index_when_no_worker_id() -> None:
-    found = discover({"JOB_COMPLETION_INDEX": "3"}, sysfs_root="/nonexistent")
+    found = discover({"JOB_COMPLETION_INDEX": "3"}, sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert (found.worker_id, found.provenance["worker_id"]) == (3, "JOB_COMPLETION_INDEX")
-    both = discover({"JOB_COMPLETION_INDEX": "3", "TPU_WORKER_ID": "0"}, sysfs_root="/nonexistent")
+    both = discover({"JOB_COMPLETION_INDEX": "3", "TPU_WORKER_ID": "0"}, sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert both.worker_id == 0
 
 
@@ -113,25 +113,25 @@ def test_gke_job_completion_index_when_no_worker_id() -> None:
 )
 def test_bad_variables_are_named(env: dict[str, str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        discover(env, sysfs_root="/nonexistent")
+        discover(env, sysfs_root="/nonexistent", dev_root="/nonexistent")
 
 
 def test_metadata_server_fills_what_the_env_does_not(metadata_server: Server) -> None:
     url, requests = metadata_server
     env = {"TPU_DIST_PLATFORM": "tpu", "TPU_DIST_METADATA_URL": url}
-    found = discover(env, sysfs_root="/nonexistent")
+    found = discover(env, sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert found.on_tpu and found.worker_id == 1
     assert found.worker_hostnames == ("10.0.0.2", "10.0.0.3")
     assert (found.accelerator_type, found.topology) == ("v4-16", "2x2x2")
     assert found.provenance["worker_id"].endswith("agent-worker-number")
     assert found.num_slices is None  # absent from tpu-env: single slice
     # The environment beats the metadata server, field by field.
-    found = discover({**env, "TPU_WORKER_ID": "0"}, sysfs_root="/nonexistent")
+    found = discover({**env, "TPU_WORKER_ID": "0"}, sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert (found.worker_id, found.provenance["worker_id"]) == (0, "TPU_WORKER_ID")
     assert found.worker_hostnames == ("10.0.0.2", "10.0.0.3")
     # TPU_SKIP_MDS_QUERY (set by GKE and JAX) keeps it quiet.
     before = len(requests)
-    discover({**env, "TPU_SKIP_MDS_QUERY": "1"}, sysfs_root="/nonexistent")
+    discover({**env, "TPU_SKIP_MDS_QUERY": "1"}, sysfs_root="/nonexistent", dev_root="/nonexistent")
     assert len(requests) == before
 
 
@@ -143,7 +143,7 @@ def test_metadata_new_endpoint_format(
         _FakeMetadata, "attributes", {**ATTRIBUTES, "worker-network-endpoints": "a,b"}
     )
     found = discover(
-        {"TPU_DIST_PLATFORM": "tpu"}, metadata=MetadataClient(base_url=url), sysfs_root="/x"
+        {"TPU_DIST_PLATFORM": "tpu"}, metadata=MetadataClient(base_url=url), sysfs_root="/x", dev_root="/x"
     )
     assert found.worker_hostnames == ("a", "b")
 
@@ -158,7 +158,7 @@ def test_metadata_server_that_never_answers_times_out_quickly() -> None:
         found = discover(
             {"TPU_DIST_PLATFORM": "tpu"},
             metadata=MetadataClient(base_url=url, timeout=0.3),
-            sysfs_root="/nonexistent",
+            sysfs_root="/nonexistent", dev_root="/nonexistent",
         )
         elapsed = time.monotonic() - started
     finally:
@@ -170,7 +170,7 @@ def test_metadata_server_that_never_answers_times_out_quickly() -> None:
 def test_metadata_server_absent_is_fast() -> None:
     url = f"http://127.0.0.1:{free_port()}/computeMetadata/v1"  # nothing listens there
     started = time.monotonic()
-    found = discover({"TPU_DIST_PLATFORM": "tpu", "TPU_DIST_METADATA_URL": url}, sysfs_root="/x")
+    found = discover({"TPU_DIST_PLATFORM": "tpu", "TPU_DIST_METADATA_URL": url}, sysfs_root="/x", dev_root="/x")
     assert found.worker_id is None and time.monotonic() - started < 2.0
 
 
@@ -198,3 +198,32 @@ def test_pci_scan_counts_tpu_chips(tmp_path: Path) -> None:
     assert found.on_tpu and found.local_chips == 2
     # TPU_DIST_PLATFORM=cpu overrides the hardware.
     assert not discover({"TPU_DIST_PLATFORM": "cpu"}, sysfs_root=str(tmp_path)).on_tpu
+
+
+def test_one_tpu_detector_for_the_launcher_and_the_backend(tmp_path) -> None:
+    """tpu_dist.mesh.tpu_attached: PCI chips (Google's vendor id, a TPU device id) decide; the
+    device files only where sysfs has no PCI tree. The launcher's discovery and the backend's
+    TPU_DIST_PLATFORM=auto both use it."""
+    from tpu_dist.mesh import count_local_tpu_chips, tpu_attached, tpu_device_files
+
+    sysfs, dev = tmp_path / "sys", tmp_path / "dev"
+    (dev / "vfio").mkdir(parents=True)
+    (dev / "vfio" / "12").write_text("")  # another passed-through PCI device
+    pci = sysfs / "bus" / "pci" / "devices"
+    for name, vendor, device in [("0000:00:04.0", "0x1ae0", "0x0063"),
+                                 ("0000:00:05.0", "0x1ae0", "0x1234"),  # Google, not a TPU
+                                 ("0000:00:06.0", "0x8086", "0x0063")]:
+        (pci / name).mkdir(parents=True)
+        (pci / name / "vendor").write_text(vendor + "\n")
+        (pci / name / "device").write_text(device + "\n")
+    assert count_local_tpu_chips(str(sysfs)) == 1
+    assert tpu_attached(sysfs_root=str(sysfs), dev_root=str(dev))
+    assert discover({}, sysfs_root=str(sysfs), dev_root=str(dev),
+                    metadata=MetadataClient(base_url="http://127.0.0.1:9")).on_tpu
+    (pci / "0000:00:04.0" / "device").write_text("0x9999\n")
+    # A vfio group alone does not make a TPU while the PCI tree says otherwise.
+    assert not tpu_attached(sysfs_root=str(sysfs), dev_root=str(dev))
+    # Without a PCI tree (some containers) the device files decide.
+    assert tpu_device_files(str(dev)) == [str(dev / "vfio" / "12")]
+    assert tpu_attached(sysfs_root=str(tmp_path / "nosys"), dev_root=str(dev))
+    assert not tpu_attached(sysfs_root=str(tmp_path / "nosys"), dev_root=str(tmp_path / "nodev"))

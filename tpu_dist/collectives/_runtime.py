@@ -75,6 +75,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist import _settings
+from tpu_dist.mesh import tpu_attached
 from tpu_dist.collectives import _dispatch, _jaxlib, _lowering, _pipeline, _watchdog, _work
 from tpu_dist.collectives._service import (
     JAX_HEARTBEAT_TIMEOUT_S,
@@ -150,22 +151,7 @@ def resolve_platform(value: str | None = None) -> str:
     choice = _settings.PLATFORM.get(environ)
     if choice != "auto":
         return choice
-    return "tpu" if _tpu_attached() else "cpu"
-
-
-def _tpu_attached() -> bool:
-    # TPU VMs expose chips as /dev/accel* (v2-v4, v5e/v6e) or /dev/vfio/* (v5p, v7x).
-    dev = "/dev"
-    try:
-        names = os.listdir(dev)
-    except OSError:
-        return False
-    if any(name.startswith("accel") for name in names):
-        return True
-    try:
-        return any(name.isdigit() for name in os.listdir(os.path.join(dev, "vfio")))
-    except OSError:
-        return False
+    return "tpu" if tpu_attached() else "cpu"
 
 
 class Runtime:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import glob
 import importlib.util
 import os
 import urllib.error
@@ -37,6 +36,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from tpu_dist import _settings
+from tpu_dist.mesh import count_local_tpu_chips, tpu_attached
 
 __all__ = [
     "Discovery",
@@ -53,11 +53,6 @@ __all__ = [
 
 Platform = _settings.Platform
 
-# Google's PCI vendor id and the device ids of TPU chips (as in jax/_src/hardware_utils.py).
-_GOOGLE_PCI_VENDOR_ID = "0x1ae0"
-_TPU_PCI_DEVICE_IDS = frozenset(
-    {"0x0027", "0x0056", "0x005e", "0x0062", "0x0063", "0x006f", "0x0076"}
-)
 
 DEFAULT_METADATA_URL = "http://169.254.169.254/computeMetadata/v1"
 DEFAULT_METADATA_TIMEOUT = float(_settings.METADATA_TIMEOUT.default)
@@ -66,22 +61,6 @@ DEFAULT_METADATA_TIMEOUT = float(_settings.METADATA_TIMEOUT.default)
 def read_platform(environ: Mapping[str, str]) -> Platform:
     """``TPU_DIST_PLATFORM``, strictly parsed; ``"auto"`` when unset."""
     return _settings.PLATFORM.get(environ)  # type: ignore[return-value]
-
-
-def count_local_tpu_chips(sysfs_root: str = "/sys") -> int:
-    """TPU chips attached to this host through PCI (0 without a TPU). Reads sysfs only."""
-    count = 0
-    for vendor_path in glob.glob(os.path.join(sysfs_root, "bus/pci/devices/*/vendor")):
-        try:
-            with open(vendor_path) as f:
-                if f.read().strip() != _GOOGLE_PCI_VENDOR_ID:
-                    continue
-            with open(os.path.join(os.path.dirname(vendor_path), "device")) as f:
-                if f.read().strip() in _TPU_PCI_DEVICE_IDS:
-                    count += 1
-        except OSError:
-            continue
-    return count
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -320,6 +299,7 @@ def discover(
     sources: Sequence[Source] = SOURCES,
     metadata: MetadataClient | None = None,
     sysfs_root: str = "/sys",
+    dev_root: str = "/dev",
 ) -> Discovery:
     """Looks at this host's environment; never blocks longer than the metadata timeout.
 
@@ -328,11 +308,13 @@ def discover(
         sources: where to look, most trusted first.
         metadata: the metadata client (default: from ``environ``).
         sysfs_root: where to count PCI TPU chips (tests point it at a fake tree).
+        dev_root: where TPU device files are, if sysfs has no PCI tree
+            (:func:`tpu_dist.mesh.tpu_attached`).
     """
     env = dict(os.environ if environ is None else environ)
     platform = read_platform(env)
     local_chips = count_local_tpu_chips(sysfs_root)
-    on_tpu = platform == "tpu" or (platform == "auto" and local_chips > 0)
+    on_tpu = platform == "tpu" or (platform == "auto" and tpu_attached(sysfs_root=sysfs_root, dev_root=dev_root))
     ctx = DiscoveryContext(
         environ=env, metadata=metadata or MetadataClient.from_env(env), on_tpu=on_tpu
     )

@@ -23,12 +23,12 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Literal
 
 from tpu_dist.launch._config import LaunchSpec
+from tpu_dist.mesh import tpu_device_files
 from tpu_dist.launch._env import WorkerEnv
 
 __all__ = ["Problem", "find_holders", "port_is_free", "preflight"]
 
 LIBTPU_LOCKFILE = "/tmp/libtpu_lockfile"
-TPU_DEVICE_GLOBS = ("/dev/accel*", "/dev/vfio/[0-9]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +123,7 @@ def preflight(
     *,
     proc_root: str = "/proc",
     lockfile: str = LIBTPU_LOCKFILE,
-    device_globs: Sequence[str] = TPU_DEVICE_GLOBS,
+    dev_root: str = "/dev",
     port_free: Callable[[int], bool] = port_is_free,
 ) -> list[Problem]:
     """Runs every check that applies to ``spec``; returns errors and warnings (empty: all fine)."""
@@ -166,7 +166,7 @@ def preflight(
                 )
 
     if spec.mode == "tpu":
-        devices = sorted({path for pattern in device_globs for path in glob.glob(pattern)})
+        devices = tpu_device_files(dev_root)
         holders = find_holders([*devices, lockfile], proc_root=proc_root)
         for path in sorted(holders):
             problems.append(

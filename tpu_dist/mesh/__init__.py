@@ -14,7 +14,8 @@ between neighbouring chips and whose outer axes cross DCN; :func:`init_device_me
 CPU-emulated ranks get virtual chips from ``TPU_DIST_TOPOLOGY`` / ``TPU_DIST_NUM_SLICES``
 (see :func:`current_topology`). ``python -m tpu_dist.mesh --help`` prints plans.
 :func:`expected_busbw` bounds what a collective over a group can reach on the topology's links
-(the model ``tpu-dist-bench`` and compile-only estimates use).
+(the model ``tpu-dist-bench`` and compile-only estimates use); :func:`tpu_attached` says whether
+this host has a TPU (the one answer the launcher and the backend use).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from tpu_dist.mesh._device_mesh import (
     mesh_to_jax,
 )
 from tpu_dist.mesh._bandwidth import BUS_FACTORS, Expectation, bus_factor, expected_busbw
+from tpu_dist.mesh._host import count_local_tpu_chips, tpu_attached, tpu_device_files
 from tpu_dist.mesh._plan import plan_mesh
 from tpu_dist.mesh._generations import (
     Generation,
@@ -45,6 +47,7 @@ __all__ = [
     "Generation",
     "Topology",
     "bus_factor",
+    "count_local_tpu_chips",
     "current_topology",
     "expected_busbw",
     "generations",
@@ -53,4 +56,6 @@ __all__ = [
     "mesh_to_jax",
     "plan_mesh",
     "register_generation",
+    "tpu_attached",
+    "tpu_device_files",
 ]
