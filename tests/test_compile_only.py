@@ -26,6 +26,7 @@ from tpu_dist.mesh import Topology  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "compile_only_job.py")
+CRASH_JOB = os.path.join(ROOT, "tests", "compile_only_crash_job.py")
 EXAMPLES = [os.path.join(ROOT, "examples", name) for name in ("train_fsdp.py", "train_fsdp_tp.py")]
 LAUNCH = [sys.executable, "-m", "tpu_dist.launch"]
 
@@ -75,13 +76,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
         "crash": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "4", "--compile-only"],
                   _env()),
+        "crash_in_slice": ([*LAUNCH, "--emulate", "tpu7x:16x16x32", "--compile-only"], _env()),
     }
     extra_args = {"dcn": ["--dcn"], "too_big": ["--too-big"], "crash": ["--partial-slices"]}
     procs = {}
     for name, (cmd, env) in commands.items():
         report = tmp / f"{name}.json"
         if name != "gloo":
-            cmd = [*cmd, "--compile-report", str(report), JOB, *extra_args.get(name, [])]
+            job = CRASH_JOB if name == "crash_in_slice" else JOB
+            cmd = [*cmd, "--compile-report", str(report), job, *extra_args.get(name, [])]
         procs[name] = (subprocess.Popen(
             cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True,
@@ -191,6 +194,20 @@ def test_a_compiler_crash_fails_its_program_not_the_report(runs: dict) -> None:
     # The programs after it were compiled by a new compiler process.
     barrier = [row for row in report["collectives"] if row["op"] == "barrier"]
     assert barrier and barrier[0]["compiled"] and barrier[0]["crosses_dcn"]
+
+
+def test_a_compiler_crash_within_one_slice_is_reported_and_the_rest_compiles(runs: dict) -> None:
+    # Every program compiles in the crash-isolating child, not only groups across slices:
+    # libtpu's SIGFPE on this one-slice group used to end the run with no report.
+    code, out, report = runs["crash_in_slice"]
+    assert code == 1, out
+    assert report is not None, out
+    rows = {row["group_size"]: row for row in report["collectives"]}
+    assert sorted(rows) == [4, 8192, 16384], report
+    assert not rows[8192]["compiled"] and "SIGFPE" in rows[8192]["error"], rows[8192]
+    assert rows[8192]["first_call"].startswith(f"{CRASH_JOB}:"), rows[8192]
+    assert rows[4]["compiled"] and rows[16384]["compiled"], report
+    assert "FAILED all_reduce over 8192 devices" in out
 
 
 def test_bad_requests_exit_2_before_starting() -> None:

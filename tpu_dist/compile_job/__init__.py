@@ -12,8 +12,9 @@ ranks there), and reports on every collective the script issued. The pieces, in 
    (libtpu) of its ranks, rank ``r`` driving the chip ``tpu-launch`` would give it
    (:class:`tpu_dist.mesh.Topology`).
 2. :meth:`Session.compile`: each distinct recorded program compiled with libtpu's TPU compiler
-   (``pip install libtpu``; no TPU needed; a group that spans slices compiles in a child
-   process, so that a compiler crash, seen there, fails one program, not the run).
+   (``pip install libtpu``; no TPU needed), each in a child process started while the
+   script runs, so that a compiler crash (a signal) fails that program, named with the
+   script line that issued it, and the report is still written with every other program.
 3. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).

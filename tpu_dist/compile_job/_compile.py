@@ -2,8 +2,8 @@
 
 :meth:`Session.compile <tpu_dist.compile_job.Session.compile>` compiles each distinct recorded
 program with libtpu's TPU compiler over compile-only TPU devices (``pip install libtpu``; no TPU
-needed; a group that spans slices compiles in a child process, so that a compiler crash, seen
-there, fails one program, not the run), rank ``r`` driving the device that ``tpu-launch`` would
+needed; every program compiles in a child process, so that a compiler crash, seen there, fails
+one program, not the run), rank ``r`` driving the device that ``tpu-launch`` would
 give it, and :class:`CompileReport` says, per collective, whether it compiled, the HLO
 collectives it became, its scratch memory and an estimated time per call
 (:func:`estimate_seconds`).
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -200,34 +202,43 @@ def _compile_one(key: Any, by_id: Mapping[int, Any]) -> _Outcome:
 
 def _compile_in_child(conn: Any, spec: str, num_slices: int) -> None:
     """The compiler process: describe the topology once, then compile each key it is sent."""
+    import resource
+
+    # A compiler crash is reported by the parent; a core file of libtpu (GBs) helps no one.
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     from tpu_dist.collectives.compile_only import topology_devices
 
     by_id = {d.id: d for d in topology_devices(Topology.parse(spec, num_slices))}
     while True:
         key = conn.recv()
         if key is None:
-            return
+            # Leave without the interpreter's teardown: JAX's and libtpu's exit handlers kept
+            # the child alive for the parent's whole 10 s join (measured: 9 s of a 18 s run).
+            conn.close()
+            os._exit(0)
         conn.send(_compile_one(key, by_id))
 
 
-def _spans_slices(key: Any, by_id: Mapping[int, Any]) -> bool:
-    return len({getattr(by_id[d], "slice_index", 0) for d in key.devices}) > 1
+class Compiler:
+    """Compiles programs in a child process, so that a crash of libtpu's compiler fails that
+    program, not the report; a new child takes the next program.
 
-
-class _Compiler:
-    """Compiles programs in a child process, so that a crash of libtpu's compiler (libtpu
-    0.0.52 dies of SIGILL on a group over 2 of 4 slices) fails that program, not the report;
-    a new child takes the next program. Only programs whose group spans slices go there
-    (:func:`compile_calls`): starting the child costs about 2 CPU-s (torch, JAX, libtpu),
-    and groups within a slice compile in the recording process, as they do in
-    :func:`tpu_dist.collectives.compile_only.compile_collective`'s own tests."""
+    Every program goes there: libtpu 0.0.52 dies of SIGILL on a group over 2 of 4 slices, and
+    of SIGFPE on a psum over one core of every chip of ``tpu7x:16x16x32`` (8,192 of its
+    16,384 devices, one slice), so no program is safe to compile in the process that holds the
+    recorded calls. Starting the child costs about 2 CPU-s (torch, JAX, libtpu), once a run
+    (and once more after each crash): :meth:`start` it early (the compile-only process does,
+    before the script runs) and that start overlaps the script's run."""
 
     def __init__(self, topology: Topology) -> None:
         self._spec, self._slices = topology.spec, topology.num_slices
         self._proc: Any = None
         self._conn: Any = None
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Start the child now (else the first :meth:`compile` does); returns at once."""
+        if self._proc is not None:
+            return
         import multiprocessing
 
         ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
@@ -240,8 +251,7 @@ class _Compiler:
         child.close()
 
     def compile(self, key: Any) -> _Outcome:
-        if self._proc is None:
-            self._start()
+        self.start()
         t0 = time.monotonic()
         self._conn.send(key)
         while not self._conn.poll(0.2):
@@ -255,7 +265,10 @@ class _Compiler:
         self._proc.join(5)
         code = self._proc.exitcode
         self._proc = self._conn = None
-        how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        how = (
+            f"{signal.Signals(-code).name}" if code is not None and code < 0
+            else f"exit code {code}"
+        )
         return (False, (), time.monotonic() - t0, None,
                 f"libtpu's TPU compiler crashed ({how}) while compiling this program; "
                 "nothing the backend can catch (see the limits in "
@@ -277,9 +290,12 @@ def compile_calls(
     rank: int,
     script_seconds: float = 0.0,
     progress: Callable[[str], None] | None = None,
+    compiler: Compiler | None = None,
 ) -> CompileReport:
     """Compile every distinct program of ``calls`` over ``devices`` (the compile-only TPU
-    device of each global rank of ``topology``); identical programs compile once.
+    device of each global rank of ``topology``); identical programs compile once, each in a
+    crash-isolating child (:class:`Compiler`): a program that crashes libtpu's compiler is
+    reported as failed, with the signal, and the others still compile.
 
     Args:
         calls: The recorded calls, in the order first issued.
@@ -288,6 +304,8 @@ def compile_calls(
         rank: The global rank the script ran as.
         script_seconds: How long the script ran (for the report).
         progress: Called with one line per program compiled (default: stderr).
+        compiler: A :class:`Compiler` for ``topology`` already started (closed here);
+            default: a new one.
     """
     if progress is None:
         def progress(line: str) -> None:
@@ -297,12 +315,10 @@ def compile_calls(
     programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
     started = time.monotonic()
     distinct = list(dict.fromkeys(c.key for c in calls))
-    compiler = _Compiler(topology)  # for groups across slices; started on first use
+    compiler = compiler if compiler is not None else Compiler(topology)
     try:
         for i, key in enumerate(distinct, 1):
-            programs[key] = outcome = (
-                compiler.compile(key) if _spans_slices(key, by_id) else _compile_one(key, by_id)
-            )
+            programs[key] = outcome = compiler.compile(key)
             state = "ok" if outcome[0] else "FAILED"
             progress(
                 f"tpu-launch --compile-only: [{i}/{len(distinct)}] {key.kind} over "

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from tpu_dist.collectives import pipelines
-from tpu_dist.compile_job._compile import CompileReport, compile_calls, libtpu_topology
+from tpu_dist.compile_job._compile import CompileReport, Compiler, compile_calls, libtpu_topology
 from tpu_dist.compile_job._recording import RecordedCall, Recorder, RecordingPipeline
 from tpu_dist.mesh import Topology
 
@@ -28,6 +28,7 @@ class Session:
         self._world: tuple[Topology, list[Any]] | None = None
         self._lock = threading.Lock()
         self._previous: pipelines.PipelineSource | None = None
+        self._compiler: Compiler | None = None
 
     # -- the pipeline source ---------------------------------------------------------------
 
@@ -82,6 +83,19 @@ class Session:
 
     # -- after the script ----------------------------------------------------------------
 
+    def start_compiler(self) -> None:
+        """Start the crash-isolating compiler process now, for the world :meth:`world` read,
+        so that its start (about 2 CPU-s) overlaps the script's run; :meth:`compile` uses it.
+
+        Raises:
+            RuntimeError: :meth:`world` was not called yet.
+        """
+        if self._world is None:
+            raise RuntimeError("start_compiler: call world() first (the topology is not known)")
+        if self._compiler is None:
+            self._compiler = Compiler(self._world[0])
+            self._compiler.start()
+
     def recorded(self) -> list[RecordedCall]:
         """The distinct calls recorded so far, in the order first issued."""
         return self.recorder.recorded()
@@ -104,8 +118,9 @@ class Session:
                 "(call init_process_group('tpu') in the script)"
             )
         topology, devices = self._world
+        compiler, self._compiler = self._compiler, None
         return compile_calls(
-            self.recorded(), topology, devices, rank, script_seconds, progress
+            self.recorded(), topology, devices, rank, script_seconds, progress, compiler
         )
 
 

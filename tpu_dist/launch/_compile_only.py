@@ -153,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError) as err:
         print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
         return 2
+    session.start_compiler()  # its start (torch, JAX, libtpu) overlaps the script's run
     print(
         f"tpu-launch --compile-only: running {target} as rank {rank} of {world} "
         f"({topology} x {slices} slice(s)) in one process. No TPU is used and no data moves: "
