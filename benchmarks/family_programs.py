@@ -2,11 +2,11 @@
 the family's groups as replica groups) against today's subset programs (one program over just
 one group's devices). Reports; asserts nothing. Notes and results: benchmarks/ISSUE33_NOTES.md.
 
-Three parts, each its own subcommand (run with your tree first on PYTHONPATH):
+Each part is its own subcommand (run with your tree first on PYTHONPATH):
 
-    python benchmarks/family_programs.py tpu  [--topologies v5e:16x16,...] [--out FILE.jsonl]
-    python benchmarks/family_programs.py pair [--topologies ...]
-    python benchmarks/family_programs.py cpu  [--nprocs 2 4] [--iters N]
+    python benchmarks/family_programs.py tpu  [--topologies v5e:16x16,...] [--mesh3d] [--out FILE.jsonl]
+    python benchmarks/family_programs.py pair [--topologies ...] [--out FILE.jsonl]
+    python benchmarks/family_programs.py cpu  [--nprocs 4 2] [--iters N] [--sizes B ...] [--kinds K ...]
     python benchmarks/family_programs.py groups            # what a c10d backend creator sees
     python benchmarks/family_programs.py table FILE.jsonl  # the tpu/pair results as markdown
     python benchmarks/family_programs.py probe             # v6e subsets; TPU7x whole-slice all-gather
@@ -26,11 +26,13 @@ ppermute / psum over the two devices, and world-spanning forms (ppermute over a 
 whole slice whose permutation only moves between ranks 0 and 1; psum with
 ``axis_index_groups``).
 
-``cpu``: XLA:CPU across 2 and 4 processes (``jax.distributed`` + gloo, one CPU device each):
-subset program (each group its own program, only its members call it) vs family program (one
-program over all devices, every process calls it), time per call at 4 KiB and 16 MiB per rank;
-results checked against numpy; gloo communicators counted from the coordination service's
-key-value store.
+``cpu``: XLA:CPU across 2 and 4 processes (``jax.distributed`` + gloo, one CPU device each),
+tpu_dist's own bodies with the algorithm ``_plan.choose_algorithm`` picks on CPU: subset program
+(each group its own program, only its members call it) vs family program (one program over all
+devices, every process calls it), alternating calls, time per call at 4 KiB and 16 MiB per
+rank; results checked against numpy; gloo contexts read from the coordination service's
+key-value store (``cpu:gloo/<device ids>/<rank>``); last, a family program called only by the
+members of one group (does it need the other processes?).
 
 ``groups``: a 4-rank job (gloo underneath) whose backend "logpg" is registered with
 ``extended_api=True`` and logs every creator call; ``_new_process_group_helper`` is wrapped to
@@ -48,7 +50,14 @@ import sys
 import time
 import traceback
 
+import numpy as np
+
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+def _read_json(path):
+    with open(path) as fh:
+        return json.load(fh)
+
 
 # ---------------------------------------------------------------------------------------------
 # part "tpu": compile matrix
@@ -63,6 +72,8 @@ TOPOLOGIES = {
     "tpu7x:4x4x4": ("tpu7x", "4x4x4", 1),
 }
 TP = 8
+MESH_3D = (4, 8, TP)
+"""``--mesh3d``: a (dp, fsdp, tp) mesh instead of (dp, tp); the families of dp and fsdp."""
 BLOCK = 8192  # elements per rank: divisible by every group size used (<= 128)
 
 # (case name, kind, algorithm, dtype, params)
@@ -84,27 +95,31 @@ KINDS = [
 ]
 
 
-def _plan(topo_name):
+def _plan(topo_name, mesh3d=False):
     from tpu_dist.mesh import Topology, plan_mesh
 
     gen, shape, slices = TOPOLOGIES[topo_name]
     topo = Topology.create(gen, shape, num_slices=slices)
     n = topo.num_devices
+    if mesh3d:
+        return topo, plan_mesh(topo, (n // (MESH_3D[1] * TP), MESH_3D[1], TP))
     grid = plan_mesh(topo, (n // TP, TP))  # (dp, tp): ranks
     return topo, grid
 
 
 def _families(grid, axis):
-    """The groups of ``axis`` ("tp" or "dp") as rank lists in group-rank order, and the grid
-    with that axis last."""
-    g = grid if axis == "tp" else grid.T
+    """The groups of ``axis`` ("dp", "tp"; 3-D: "dp", "fsdp", "tp") as rank lists in
+    group-rank order, and the mesh as 2-D (every other axis, that axis)."""
+    names = ("dp", "tp") if grid.ndim == 2 else ("dp", "fsdp", "tp")
+    k = names.index(axis)
+    g = np.moveaxis(grid, k, -1).reshape(-1, grid.shape[k])
     return [list(map(int, row)) for row in g], g
 
 
 def _key(case, size):
     from tpu_dist.collectives import ProgramKey
 
-    name, kind, algo, dtype, params = case
+    _, kind, algo, dtype, params = case
     if params == "RING":
         params = tuple((i, (i + 1) % size) for i in range(size))
     length = 1 if kind == "barrier" else BLOCK
@@ -145,7 +160,6 @@ def _compile_family(case, devices_by_rank, grid_axis_last):
     """shard_map over the (other, x) mesh of every device; the body over "x"."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -188,14 +202,14 @@ def _tpu_child(spec):
     from tpu_dist.collectives.compile_only import topology_devices
 
     topo_name, axis, form, start = spec["topology"], spec["axis"], spec["form"], spec["start"]
-    topo, grid = _plan(topo_name)
+    topo, grid = _plan(topo_name, spec.get("mesh3d", False))
     devices = topology_devices(topo)
     groups, g = _families(grid, axis)
     for i, case in enumerate(KINDS):
         if i < start:
             continue
         print(json.dumps({"event": "start", "i": i}), flush=True)
-        row = {"topology": topo_name, "axis": axis, "form": form, "case": case[0],
+        row = {"topology": topo_name + ("/3d" if spec.get("mesh3d") else ""), "axis": axis, "form": form, "case": case[0],
                "group_size": len(groups[0]), "n_groups": len(groups),
                "num_slices": topo.num_slices}
         try:
@@ -275,14 +289,17 @@ def _per_slice(got, expected_in_slice, num_slices):
 
 def run_tpu(args):
     topos = args.topologies.split(",") if args.topologies else list(TOPOLOGIES)
-    out = open(args.out, "a") if args.out else None
-    forms_for = {"tp": ["family", "subset:0"], "dp": ["family", "subset:0", "subset:1"]}
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115  (open for the whole run)
+    forms_for = {"tp": ["family", "subset:0"], "dp": ["family", "subset:0", "subset:1"],
+                 "fsdp": ["family", "subset:0"]}
+    axes = ("fsdp", "dp") if args.mesh3d else ("tp", "dp")
     for topo_name in topos:
-        for axis in ("tp", "dp"):
+        for axis in axes:
             for form in forms_for[axis]:
                 start = 0
                 while start < len(KINDS):
-                    spec = {"topology": topo_name, "axis": axis, "form": form, "start": start}
+                    spec = {"topology": topo_name, "axis": axis, "form": form, "start": start,
+                            "mesh3d": args.mesh3d}
                     proc = subprocess.Popen(
                         [sys.executable, __file__, "_tpu_child", json.dumps(spec)],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -302,7 +319,8 @@ def run_tpu(args):
                     rc = proc.wait()
                     if rc != 0:
                         tail = [ln for ln in err.splitlines() if ln.strip()][-3:]
-                        _emit({"topology": topo_name, "axis": axis, "form": form,
+                        _emit({"topology": topo_name + ("/3d" if args.mesh3d else ""),
+                               "axis": axis, "form": form,
                                "case": KINDS[current][0], "ok": False,
                                "error": f"process died rc={rc}: " + " | ".join(tail)[:600]}, out)
                         current += 1
@@ -337,7 +355,6 @@ PAIR_CASES = ["subset ppermute swap", "subset psum", "world ppermute swap(0,1) o
 def _pair_child(spec):
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax import lax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -389,7 +406,7 @@ def _pair_child(spec):
 def run_pair(args):
     topos = args.topologies.split(",") if args.topologies else ["v5e:16x16", "v6e:16x16",
                                                                 "v6e:4x8", "v5p:4x4x4x2slices"]
-    out = open(args.out, "a") if args.out else None
+    out = open(args.out, "a") if args.out else None  # noqa: SIM115  (open for the whole run)
     for topo_name in topos:
         start = 0
         while start < len(PAIR_CASES):
@@ -422,15 +439,12 @@ def run_pair(args):
 # part "cpu": XLA:CPU across processes
 
 
-def _cpu_worker(rank, nprocs, port, iters, sizes, outfile):
+def _cpu_worker(rank, nprocs, port, iters, sizes, outfile, kinds):
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", nprocs, rank, local_device_ids=[0])
-    import jax.numpy as jnp
-    import numpy as np
-    from jax import lax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -482,7 +496,7 @@ def _cpu_worker(rank, nprocs, port, iters, sizes, outfile):
         g = grid if axis_name == "tp" else grid.T
         my_group = [int(r) for r in g[np.argwhere(g == rank)[0][0]]]
         pos = my_group.index(rank)
-        for kind in ("allreduce", "allgather", "reduce_scatter", "alltoall"):
+        for kind in kinds:
             for nbytes in sizes:
                 n = nbytes // 4
                 local = (np.arange(n, dtype=np.float32) % 1000) + rank * 1000
@@ -565,9 +579,8 @@ def run_cpu(args):
     import socket
     import tempfile
 
-    import numpy as np
 
-    sizes = [4096, 16 * 1024 * 1024]
+    sizes = args.sizes
     for nprocs in args.nprocs:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -576,11 +589,12 @@ def run_cpu(args):
         procs = []
         for r in range(nprocs):
             cmd = [sys.executable, __file__, "_cpu_worker", str(r), str(nprocs), str(port),
-                   str(args.iters), ",".join(map(str, sizes)), os.path.join(tmp, f"{r}.json")]
+                   str(args.iters), ",".join(map(str, sizes)), os.path.join(tmp, f"{r}.json"),
+                   ",".join(args.kinds)]
             procs.append(subprocess.Popen(cmd))
         rcs = [p.wait() for p in procs]
         print(f"== {nprocs} processes, exit codes {rcs}, raw results in {tmp}")
-        per = [json.load(open(os.path.join(tmp, f"{r}.json"))) for r in range(nprocs)
+        per = [_read_json(os.path.join(tmp, f"{r}.json")) for r in range(nprocs)
                if os.path.exists(os.path.join(tmp, f"{r}.json"))]
         if not per:
             continue
@@ -601,7 +615,6 @@ def run_cpu(args):
                   f"{sorted({k.rsplit('/', 1)[0] for r in rs for k in r['new_kv_keys']})}")
         print("gloo contexts at the end (cpu:gloo/<device ids>):",
               sorted({k.rsplit("/", 1)[0] for k in per[0]["all_kv_keys"]}))
-        _ = np
 
 
 # ---------------------------------------------------------------------------------------------
@@ -727,7 +740,7 @@ def run_groups(args):
             print(f"rank {r}: no log")
             continue
         print(f"---- rank {r}")
-        for e in json.load(open(path)):
+        for e in _read_json(path):
             if "step" in e:
                 print(f"  # {e['step']}")
             elif "step_result" in e:
@@ -749,7 +762,6 @@ def run_groups(args):
 def _probe_child(spec):
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax import lax
     from jax.experimental import mesh_utils, topologies
     from jax.sharding import Mesh, NamedSharding
@@ -822,7 +834,7 @@ PROBES = [
 def run_probe(args):
     for spec in PROBES:
         proc = subprocess.run([sys.executable, __file__, "_probe_child", json.dumps(spec)],
-                              capture_output=True, text=True)
+                              check=False, capture_output=True, text=True)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
         print(lines[0] if lines else f"RESULT {spec}: process died rc={proc.returncode}",
               flush=True)
@@ -852,7 +864,8 @@ def _cell(row):
 
 
 def run_table(args):
-    rows = [json.loads(line) for line in open(args.jsonl)]
+    with open(args.jsonl) as fh:
+        rows = [json.loads(line) for line in fh]
     topos = list(dict.fromkeys(r["topology"] for r in rows))
     cases = list(dict.fromkeys(r["case"] for r in rows))
     cols = list(dict.fromkeys((r["axis"], r["form"]) for r in rows))
@@ -882,9 +895,9 @@ def main():
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         return _probe_child(json.loads(sys.argv[2]))
     if len(sys.argv) > 1 and sys.argv[1] == "_cpu_worker":
-        r, n, port, iters, sizes, out = sys.argv[2:8]
+        r, n, port, iters, sizes, out, kinds = sys.argv[2:9]
         return _cpu_worker(int(r), int(n), int(port), int(iters),
-                           [int(s) for s in sizes.split(",")], out)
+                           [int(s) for s in sizes.split(",")], out, kinds.split(","))
     if len(sys.argv) > 1 and sys.argv[1] == "_groups_worker":
         r, n, port, out = sys.argv[2:6]
         return _groups_worker(int(r), int(n), int(port), out)
@@ -892,6 +905,8 @@ def main():
     sub = parser.add_subparsers(dest="part", required=True)
     p = sub.add_parser("tpu")
     p.add_argument("--topologies", default="")
+    p.add_argument("--mesh3d", action="store_true",
+                   help="a (dp, fsdp 8, tp 8) mesh; the dp and fsdp families")
     p.add_argument("--out", default="")
     p = sub.add_parser("pair")
     p.add_argument("--topologies", default="")
@@ -899,6 +914,10 @@ def main():
     p = sub.add_parser("cpu")
     p.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--sizes", type=int, nargs="+", default=[4096, 16 * 1024 * 1024],
+                   help="bytes per rank")
+    p.add_argument("--kinds", nargs="+",
+                   default=["allreduce", "allgather", "reduce_scatter", "alltoall"])
     p = sub.add_parser("groups")
     p.add_argument("--timeout", type=float, default=120)
     p = sub.add_parser("table")
