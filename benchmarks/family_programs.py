@@ -70,7 +70,10 @@ TOPOLOGIES = {
     "v6e:16x16x4slices": ("v6e", "16x16", 4),
     "v5p:4x4x4x2slices": ("v5p", "4x4x4", 2),
     "tpu7x:4x4x4": ("tpu7x", "4x4x4", 1),
+    # not in the default run (8,192 devices; run with --topologies tpu7x:16x16x16 --cases ...)
+    "tpu7x:16x16x16": ("tpu7x", "16x16x16", 1),
 }
+DEFAULT_TOPOLOGIES = [t for t in TOPOLOGIES if t != "tpu7x:16x16x16"]
 TP = 8
 MESH_3D = (4, 8, TP)
 """``--mesh3d``: a (dp, fsdp, tp) mesh instead of (dp, tp); the families of dp and fsdp."""
@@ -206,7 +209,7 @@ def _tpu_child(spec):
     devices = topology_devices(topo)
     groups, g = _families(grid, axis)
     for i, case in enumerate(KINDS):
-        if i < start:
+        if i < start or (spec.get("cases") and case[0] not in spec["cases"]):
             continue
         print(json.dumps({"event": "start", "i": i}), flush=True)
         row = {"topology": topo_name + ("/3d" if spec.get("mesh3d") else ""), "axis": axis, "form": form, "case": case[0],
@@ -288,7 +291,7 @@ def _per_slice(got, expected_in_slice, num_slices):
 
 
 def run_tpu(args):
-    topos = args.topologies.split(",") if args.topologies else list(TOPOLOGIES)
+    topos = args.topologies.split(",") if args.topologies else DEFAULT_TOPOLOGIES
     out = open(args.out, "a") if args.out else None  # noqa: SIM115  (open for the whole run)
     forms_for = {"tp": ["family", "subset:0"], "dp": ["family", "subset:0", "subset:1"],
                  "fsdp": ["family", "subset:0"]}
@@ -296,10 +299,13 @@ def run_tpu(args):
     for topo_name in topos:
         for axis in axes:
             for form in forms_for[axis]:
+                if args.forms and form.split(":")[0] not in args.forms:
+                    continue
                 start = 0
                 while start < len(KINDS):
                     spec = {"topology": topo_name, "axis": axis, "form": form, "start": start,
-                            "mesh3d": args.mesh3d}
+                            "mesh3d": args.mesh3d,
+                            "cases": args.cases.split(",") if args.cases else []}
                     proc = subprocess.Popen(
                         [sys.executable, __file__, "_tpu_child", json.dumps(spec)],
                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -317,6 +323,8 @@ def run_tpu(args):
                             current = msg["i"] + 1
                     err = proc.stderr.read()
                     rc = proc.wait()
+                    if rc == 0:
+                        break
                     if rc != 0:
                         tail = [ln for ln in err.splitlines() if ln.strip()][-3:]
                         _emit({"topology": topo_name + ("/3d" if args.mesh3d else ""),
@@ -905,6 +913,8 @@ def main():
     sub = parser.add_subparsers(dest="part", required=True)
     p = sub.add_parser("tpu")
     p.add_argument("--topologies", default="")
+    p.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    p.add_argument("--forms", nargs="+", default=[], help="family and/or subset (default: both)")
     p.add_argument("--mesh3d", action="store_true",
                    help="a (dp, fsdp 8, tp 8) mesh; the dp and fsdp families")
     p.add_argument("--out", default="")
