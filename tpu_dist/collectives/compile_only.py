@@ -44,6 +44,7 @@ Limits seen with libtpu 0.0.52 (for whoever compiles whole jobs this way):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -93,6 +94,8 @@ _MEGASCALE_RE = re.compile(
 _MEGASCALE_SLICE_STRIDE = 100_000
 """libtpu's multi-slice device ids: ``(slice_index + 1) * 100000 + id within the slice``."""
 _SEND_RE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\ssend\(")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +177,7 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
     # Two processes that load libtpu would otherwise fight over /tmp/libtpu_lockfile; compile-only
     # use never touches a chip. Set only if the user has not chosen.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    _describe_host_to_libtpu(topology)
     kwargs: dict[str, Any] = {}
     if topology.hosts_per_slice == 1:
         # One host holds the whole slice (v5litepod-8 is one 2x4 host); libtpu would split it.
@@ -199,6 +203,31 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
         where = (getattr(d, "slice_index", 0) or 0, *tuple(d.coords)[:nd], d.core_on_chip)
         ordered[int(grid[where])] = d
     return ordered
+
+
+def _describe_host_to_libtpu(topology: Topology) -> None:
+    """Give libtpu the TPU VM description it reads when it loads, on a machine without a TPU.
+
+    Without ``TPU_ACCELERATOR_TYPE`` and ``TPU_WORKER_HOSTNAMES`` (and with JAX's
+    ``TPU_SKIP_MDS_QUERY=1``, which JAX sets where no chip is attached, so libtpu does not ask
+    the metadata server), libtpu 0.0.52 prints lines that read like errors when it loads: "Failed
+    to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT: Error: unexpected
+    worker hostname", a source location trace. They are not errors: compile-only devices
+    describe the topology they are asked for whatever these variables say (the same devices,
+    ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So, before
+    libtpu first loads in this process, they are set to ``topology``'s accelerator type and
+    this host, only where no TPU is attached and the user has not set them; logged at INFO.
+    """
+    if _runtime._tpu_attached():
+        return  # a TPU VM: libtpu reads its own metadata
+    wanted = {"TPU_ACCELERATOR_TYPE": topology.accelerator_type, "TPU_WORKER_HOSTNAMES": "localhost"}
+    chosen = {k: v for k, v in wanted.items() if k not in os.environ}
+    os.environ.update(chosen)
+    if chosen:
+        logger.info(
+            "tpu_dist: set %s for libtpu's compile-only devices (no TPU attached; libtpu reads "
+            "them when it loads)", ", ".join(f"{k}={v}" for k, v in chosen.items())
+        )
 
 
 def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> CompiledCollective:
