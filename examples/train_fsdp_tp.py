@@ -17,8 +17,11 @@ Then FSDP2 shards every block and the root over dp. Run it::
 
     tpu-launch --nproc-per-node 4 examples/train_fsdp_tp.py --steps 20
     torchrun --nproc-per-node 4 examples/train_fsdp_tp.py --steps 20 --tp 2
+    tpu-launch --emulate tpu7x:16x16x16 --compile-only examples/train_fsdp_tp.py  # 8,192 ranks
 
-Rank 0 prints one line per step and, last, ``final loss X after N steps``.
+The global batch defaults to one sequence per data-parallel rank, at least 8 (``--batch-size``),
+so it runs at any world size that ``--tp`` divides. Rank 0 prints the mesh (a summary beyond 64
+ranks), one line per step and, last, ``final loss X after N steps``.
 """
 
 from __future__ import annotations

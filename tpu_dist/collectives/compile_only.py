@@ -208,18 +208,19 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
 def _describe_host_to_libtpu(topology: Topology) -> None:
     """Give libtpu the TPU VM description it reads when it loads, on a machine without a TPU.
 
-    Without ``TPU_ACCELERATOR_TYPE`` and ``TPU_WORKER_HOSTNAMES`` (and with JAX's
-    ``TPU_SKIP_MDS_QUERY=1``, which JAX sets where no chip is attached, so libtpu does not ask
-    the metadata server), libtpu 0.0.52 prints lines that read like errors when it loads: "Failed
-    to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT: Error: unexpected
-    worker hostname", a source location trace. They are not errors: compile-only devices
-    describe the topology they are asked for whatever these variables say (the same devices,
-    ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So, before
-    libtpu first loads in this process, they are set to ``topology``'s accelerator type and
-    this host, only where no TPU is attached and the user has not set them; logged at INFO.
+    With ``TPU_SKIP_MDS_QUERY`` set (``import jax`` sets it where no TPU chip is attached) libtpu
+    does not ask the metadata server, and without ``TPU_ACCELERATOR_TYPE`` and
+    ``TPU_WORKER_HOSTNAMES`` libtpu 0.0.52 prints lines that read like errors when it loads:
+    "Failed to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT: Error:
+    unexpected worker hostname", a source location trace. They are not errors: compile-only
+    devices describe the topology they are asked for whatever these variables say (the same
+    devices, ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So,
+    before libtpu first loads in this process, they are set to ``topology``'s accelerator type
+    and this host, only there (not on a TPU VM, where libtpu reads its metadata) and only when
+    the user has not set them; logged at INFO.
     """
-    if _runtime._tpu_attached():
-        return  # a TPU VM: libtpu reads its own metadata
+    if not os.environ.get("TPU_SKIP_MDS_QUERY"):
+        return  # libtpu asks the metadata server (a TPU VM) and says nothing
     wanted = {"TPU_ACCELERATOR_TYPE": topology.accelerator_type, "TPU_WORKER_HOSTNAMES": "localhost"}
     chosen = {k: v for k, v in wanted.items() if k not in os.environ}
     os.environ.update(chosen)
