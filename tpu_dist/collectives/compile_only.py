@@ -43,11 +43,12 @@ Limits seen with libtpu 0.0.52 (for whoever compiles whole jobs this way):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -177,7 +178,6 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
     # Two processes that load libtpu would otherwise fight over /tmp/libtpu_lockfile; compile-only
     # use never touches a chip. Set only if the user has not chosen.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    _describe_host_to_libtpu(topology)
     kwargs: dict[str, Any] = {}
     if topology.hosts_per_slice == 1:
         # One host holds the whole slice (v5litepod-8 is one 2x4 host); libtpu would split it.
@@ -187,9 +187,10 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
         kwargs["chip_config_name"] = "megacore"  # one device per chip, as tpu_dist models v4
     if topology.num_slices > 1:
         kwargs["num_slices"] = topology.num_slices
-    desc = topologies.get_topology_desc(
-        topology_name=f"{gen.libtpu_name}:{topology.topology}", platform="tpu", **kwargs
-    )
+    with _host_described_to_libtpu(topology):
+        desc = topologies.get_topology_desc(
+            topology_name=f"{gen.libtpu_name}:{topology.topology}", platform="tpu", **kwargs
+        )
     devices = list(desc.devices)
     if len(devices) != topology.num_devices:
         raise ValueError(
@@ -205,8 +206,12 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
     return ordered
 
 
-def _describe_host_to_libtpu(topology: Topology) -> None:
-    """Give libtpu the TPU VM description it reads when it loads, on a machine without a TPU.
+_libtpu_env_logged = False
+
+
+@contextlib.contextmanager
+def _host_described_to_libtpu(topology: Topology) -> Iterator[None]:
+    """While libtpu loads, give it the TPU VM description it reads, on a machine without a TPU.
 
     With ``TPU_SKIP_MDS_QUERY`` set (``import jax`` sets it where no TPU chip is attached) libtpu
     does not ask the metadata server, and without ``TPU_ACCELERATOR_TYPE`` and
@@ -214,21 +219,31 @@ def _describe_host_to_libtpu(topology: Topology) -> None:
     "Failed to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT: Error:
     unexpected worker hostname", a source location trace. They are not errors: compile-only
     devices describe the topology they are asked for whatever these variables say (the same
-    devices, ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So,
-    before libtpu first loads in this process, they are set to ``topology``'s accelerator type
-    and this host, only there (not on a TPU VM, where libtpu reads its metadata) and only when
-    the user has not set them; logged at INFO.
+    devices, ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So
+    they are set to ``topology``'s accelerator type and this host for the call that loads
+    libtpu, and removed again afterwards (libtpu reads them once, when it loads; nothing of the
+    process or its children sees them), only there (not on a TPU VM, where libtpu reads its
+    metadata) and only when the user has not set them; logged at INFO, once.
     """
-    if not os.environ.get("TPU_SKIP_MDS_QUERY"):
-        return  # libtpu asks the metadata server (a TPU VM) and says nothing
-    wanted = {"TPU_ACCELERATOR_TYPE": topology.accelerator_type, "TPU_WORKER_HOSTNAMES": "localhost"}
-    chosen = {k: v for k, v in wanted.items() if k not in os.environ}
-    os.environ.update(chosen)
-    if chosen:
+    global _libtpu_env_logged
+    chosen: dict[str, str] = {}
+    if os.environ.get("TPU_SKIP_MDS_QUERY"):  # else: a TPU VM, libtpu asks its metadata server
+        wanted = {"TPU_ACCELERATOR_TYPE": topology.accelerator_type,
+                  "TPU_WORKER_HOSTNAMES": "localhost"}
+        chosen = {k: v for k, v in wanted.items() if k not in os.environ}
+    if chosen and not _libtpu_env_logged:
+        _libtpu_env_logged = True
         logger.info(
-            "tpu_dist: set %s for libtpu's compile-only devices (no TPU attached; libtpu reads "
-            "them when it loads)", ", ".join(f"{k}={v}" for k, v in chosen.items())
+            "tpu_dist: set %s while libtpu loads its compile-only devices (no TPU attached; "
+            "libtpu reads them when it loads)", ", ".join(f"{k}={v}" for k, v in chosen.items())
         )
+    os.environ.update(chosen)
+    try:
+        yield
+    finally:
+        for name, value in chosen.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
 
 
 def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> CompiledCollective:
