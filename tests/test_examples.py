@@ -315,3 +315,29 @@ def test_default_batch_and_mesh_summary_at_8192_ranks() -> None:
     assert lines[3] == ("(4096, 2) (dp, tp), 8192 ranks; rank 8191's groups: "
                         "dp [1, 3, 5, ..., 8189, 8191] (4096 ranks), tp [8190, 8191]"), lines
     assert lines[4] == "[[0, 1], [2, 3]] (dp, tp)", lines
+
+
+def test_tpu_launch_cpu_workers_never_probe_libtpu(tmp_path: Path) -> None:
+    """A program whose first act is ``jax.devices()`` under ``tpu-launch`` (CPU workers): JAX is
+    pinned to the CPU from process start (``JAX_PLATFORMS=cpu`` unless the user set it), so
+    libtpu's TPU backend is not probed and prints nothing (before: 4 lines of it)."""
+    pytest.importorskip("libtpu", reason="without libtpu, JAX has no TPU backend to probe")
+    from tpu_dist.launch import Discovery, compute_worker_env, parse_args, resolve
+
+    def shared(environ: dict[str, str]) -> dict[str, str]:
+        spec = resolve(parse_args(["--nproc-per-node", "2", "train.py"], environ),
+                       Discovery(on_tpu=False), environ)
+        return dict(compute_worker_env(spec, environ).shared)
+
+    assert shared({})["JAX_PLATFORMS"] == "cpu"
+    assert "JAX_PLATFORMS" not in shared({"JAX_PLATFORMS": "cuda"})  # the user's choice wins
+    script = tmp_path / "jax_first.py"
+    script.write_text("import jax\nprint(jax.devices())\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "1", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[CpuDevice(id=0)]" in proc.stdout, proc.stdout
+    assert not _libtpu_noise(proc.stderr), proc.stderr[-3000:]
