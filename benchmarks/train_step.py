@@ -69,6 +69,7 @@ def main() -> None:
     args = ex.parse_args(None, __doc__, _extra_flags)
     dist.init_process_group("tpu")
     rank, world = dist.get_rank(), dist.get_world_size()
+    args.batch_size = ex.global_batch_size(args.batch_size, world)  # the example's default rule
     groups = {"tpu": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     control = dist.new_group(backend="gloo")
     policy = MixedPrecisionPolicy(

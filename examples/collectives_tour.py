@@ -25,6 +25,18 @@ import torch.distributed as dist
 import tpu_dist  # noqa: F401  (registers the "tpu" backend)
 
 
+SHOWN_MAX = 16
+"""Lists longer than this (results at a world of hundreds of ranks) are printed abridged."""
+
+
+def abridged(value: object) -> object:
+    """``value``, or for a list longer than :data:`SHOWN_MAX` its first and last items and length."""
+    if isinstance(value, list) and len(value) > SHOWN_MAX:
+        head, tail = ", ".join(map(str, value[:4])), ", ".join(map(str, value[-2:]))
+        return f"[{head}, ..., {tail}] ({len(value)} values)"
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="tpu", help="c10d backend (default: tpu; gloo works too)")
@@ -42,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         checked.append(name)
         if rank == 0:
             value = got.tolist() if isinstance(got, torch.Tensor) else got
-            print(f"[tour] {name:<28} -> {value if shown is None else shown}", flush=True)
+            print(f"[tour] {name:<28} -> {abridged(value) if shown is None else shown}", flush=True)
 
     ranks = torch.arange(world, dtype=torch.float32)
 
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     members = evens if rank % 2 == 0 else odds
     value = torch.tensor([float(rank)])
     dist.all_reduce(value, group=groups[rank % 2])
-    check("all_reduce in subgroup", value, torch.tensor([float(sum(members))]), shown=f"{value.tolist()} (ranks {members})")
+    check("all_reduce in subgroup", value, torch.tensor([float(sum(members))]), shown=f"{value.tolist()} (ranks {abridged(members)})")
 
     # Async: the call returns at once, wait() finishes it.
     work = dist.all_reduce(torch.ones(3), async_op=True)
@@ -169,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.all_gather_object(counts, len(checked))
     if rank == 0:
         print(f"[tour] every check passed on all {world} ranks ({dist.get_backend()}): "
-              f"checks per rank {counts}", flush=True)
+              f"checks per rank {abridged(counts)}", flush=True)
     dist.destroy_process_group()
 
 

@@ -20,6 +20,8 @@ Rank 0 prints the layouts, one line per step, and, last, ``final loss X after N 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -28,6 +30,9 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 import tpu_dist  # noqa: F401  (registers the "tpu" backend)
 from tpu_dist.dtensor_ext import from_jax, to_jax
 from tpu_dist.mesh import init_device_mesh
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_fsdp import describe_mesh  # noqa: E402  (the mesh whole when small, else a summary)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     w = distribute_tensor(torch.zeros(16, 8), mesh, [Replicate(), Shard(1)])  # columns over tp
 
     x_jax, y_jax = to_jax(x), to_jax(y)
-    log(f"mesh {mesh.mesh.tolist()} (dp, tp); x {tuple(x.shape)} {x.placements} -> {x_jax.sharding.spec}; "
+    log(f"mesh {describe_mesh(mesh)}; x {tuple(x.shape)} {x.placements} -> {x_jax.sharding.spec}; "
         f"w {tuple(w.shape)} {w.placements} -> {to_jax(w).sharding.spec}")
     shard = x_jax.addressable_shards[0]
     log(f"rank 0's shard of x is the DTensor's local tensor (zero-copy): "

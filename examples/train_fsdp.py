@@ -204,11 +204,77 @@ def batch(
     return rows[:, :-1], rows[:, 1:]
 
 
+DEFAULT_BATCH_SIZE = 8
+"""The global batch, in sequences, when ``--batch-size`` is not given and there are at most 8
+data-parallel ranks."""
+
+
+def global_batch_size(requested: int | None, dp_size: int) -> int:
+    """The global batch, in sequences, for ``dp_size`` data-parallel ranks.
+
+    ``requested`` is ``--batch-size``. Unset (None): :data:`DEFAULT_BATCH_SIZE` rounded up to a
+    multiple of ``dp_size``, so the example runs at any world size: 8 on 1, 2, 4 or 8
+    data-parallel ranks, 9 on 3, one sequence per rank from 8 ranks on (4,096 on a (4096, 2)
+    mesh). Set: that number, which must split evenly over the data-parallel ranks.
+
+    Raises:
+        SystemExit: ``--batch-size`` does not split over ``dp_size`` ranks (the message says
+            what to pass).
+    """
+    if requested is None:
+        return -(-DEFAULT_BATCH_SIZE // dp_size) * dp_size
+    if requested < 1 or requested % dp_size:
+        fit = max(1, -(-requested // dp_size)) * dp_size
+        raise SystemExit(
+            f"--batch-size {requested} does not split over {dp_size} data-parallel ranks: pass a "
+            f"multiple of {dp_size} (e.g. --batch-size {fit}), or leave --batch-size out for one "
+            f"sequence per data-parallel rank ({global_batch_size(None, dp_size)} here)"
+        )
+    return requested
+
+
 def local_rows(x: torch.Tensor, rank: int, ranks: int) -> torch.Tensor:
     """This data-parallel rank's contiguous share of the global batch's rows."""
     if x.shape[0] % ranks:
         raise ValueError(f"global batch {x.shape[0]} does not split over {ranks} data-parallel ranks")
     return x.chunk(ranks)[rank]
+
+
+# -- output that scales ----------------------------------------------------------------------
+
+FULL_MESH_MAX_RANKS = 64
+"""Meshes up to this many ranks are printed whole; larger ones as a summary (:func:`describe_mesh`)."""
+
+
+def abbreviated(values: list, keep: int = 8) -> str:
+    """``values`` as a list, or its first and last few and its length when longer than ``keep``."""
+    if len(values) <= keep:
+        return str(values)
+    head, tail = ", ".join(map(str, values[:3])), ", ".join(map(str, values[-2:]))
+    return f"[{head}, ..., {tail}] ({len(values)} ranks)"
+
+
+def describe_mesh(mesh) -> str:
+    """A DeviceMesh for one log line, whatever its size.
+
+    Up to :data:`FULL_MESH_MAX_RANKS` ranks, every rank (``[[0, 1], [2, 3]] (dp, tp)``); above,
+    the shape, the axis names and this rank's group along each axis (``(4096, 2) (dp, tp), 8192
+    ranks; rank 0's groups: dp [0, 2, 4, ..., 8188, 8190] (4096 ranks), tp [0, 1]``): the whole
+    mesh of 16,384 ranks is about 100 KB on one line.
+    """
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    axes = f"({', '.join(names)})"
+    ranks = mesh.mesh
+    if ranks.numel() <= FULL_MESH_MAX_RANKS:
+        return f"{ranks.tolist()} {axes}"
+    coordinate = mesh.get_coordinate()
+    groups = []
+    for dim, name in enumerate(names):
+        index = list(coordinate)
+        index[dim] = slice(None)
+        groups.append(f"{name} {abbreviated(ranks[tuple(index)].tolist())}")
+    return (f"{tuple(ranks.shape)} {axes}, {ranks.numel()} ranks; rank {dist.get_rank()}'s groups: "
+            + ", ".join(groups))
 
 
 # -- training -------------------------------------------------------------------------------
@@ -224,7 +290,13 @@ def parse_args(
     )
     parser.add_argument("--backend", default="tpu", help="c10d backend (default: tpu; gloo works too)")
     parser.add_argument("--steps", type=int, default=20, help="train until this step (default: 20)")
-    parser.add_argument("--batch-size", type=int, default=8, help="global batch, in sequences")
+    parser.add_argument(
+        "--batch-size", type=int, default=None,
+        help=f"global batch, in sequences, a multiple of the data-parallel size (default: "
+             f"{DEFAULT_BATCH_SIZE}, rounded up to a multiple of the data-parallel size: one "
+             f"sequence per data-parallel rank from {DEFAULT_BATCH_SIZE} ranks on, so any world "
+             f"size runs)",
+    )
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
@@ -332,6 +404,7 @@ def train(
     logits).
     """
     rank = dist.get_rank()
+    batch_size = global_batch_size(args.batch_size, dp_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start, final = 0, None
     if args.resume:
@@ -345,7 +418,7 @@ def train(
     data = corpus()
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
-        inputs, targets = batch(data, step, args.batch_size, args.seq_len, args.seed)
+        inputs, targets = batch(data, step, batch_size, args.seq_len, args.seed)
         inputs, targets = local_rows(inputs, dp_rank, dp_size), local_rows(targets, dp_rank, dp_size)
         with loss_context():
             loss = cross_entropy(model(inputs), targets)
@@ -357,7 +430,7 @@ def train(
         final = global_mean(loss, dp_group)
         elapsed = time.perf_counter() - began
         if rank == 0:
-            tokens = args.batch_size * args.seq_len
+            tokens = batch_size * args.seq_len
             print(f"step {step:4d} | loss {final:.6f} | {tokens / elapsed:8.0f} tokens/s", flush=True)
         if args.checkpoint_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
             path = os.path.join(args.checkpoint_dir, f"step-{step}")
@@ -413,6 +486,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parse_args(argv)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    batch_size = global_batch_size(args.batch_size, world)  # before any work: a bad flag fails fast
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(args.seed)  # the same initial weights on every rank; FSDP2 keeps a shard
     model = Decoder(model_config(args))
@@ -426,7 +500,7 @@ def main(argv: list[str] | None = None) -> str:
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"FSDP2 on {world} ranks ({dist.get_backend()}): {params} parameters, "
-              f"global batch {args.batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}", flush=True)
+              f"global batch {batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}", flush=True)
     final, step = train(args, model, rank, world, None)
     if rank == 0:
         report_final(final, step)

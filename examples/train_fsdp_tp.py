@@ -17,8 +17,11 @@ Then FSDP2 shards every block and the root over dp. Run it::
 
     tpu-launch --nproc-per-node 4 examples/train_fsdp_tp.py --steps 20
     torchrun --nproc-per-node 4 examples/train_fsdp_tp.py --steps 20 --tp 2
+    tpu-launch --emulate tpu7x:16x16x16 --compile-only examples/train_fsdp_tp.py  # 8,192 ranks
 
-Rank 0 prints one line per step and, last, ``final loss X after N steps``.
+The global batch defaults to one sequence per data-parallel rank, at least 8 (``--batch-size``),
+so it runs at any world size that ``--tp`` divides. Rank 0 prints the mesh (a summary beyond 64
+ranks), one line per step and, last, ``final loss X after N steps``.
 """
 
 from __future__ import annotations
@@ -39,7 +42,16 @@ from torch.distributed.tensor.parallel import (
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_fsdp import Decoder, leave, model_config, parse_args, report_final, train  # noqa: E402
+from train_fsdp import (  # noqa: E402
+    Decoder,
+    describe_mesh,
+    global_batch_size,
+    leave,
+    model_config,
+    parse_args,
+    report_final,
+    train,
+)
 
 import tpu_dist  # noqa: E402,F401  (registers the "tpu" backend)
 from tpu_dist.mesh import init_device_mesh  # noqa: E402
@@ -91,6 +103,7 @@ def main(argv: list[str] | None = None) -> str:
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
+    batch_size = global_batch_size(args.batch_size, world // args.tp)  # a bad flag fails before any work
     mesh = init_device_mesh((world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(args.seed)
     model = Decoder(model_config(args))
@@ -103,8 +116,8 @@ def main(argv: list[str] | None = None) -> str:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     if rank == 0:
-        print(f"FSDP2 x TP on mesh {mesh.mesh.tolist()} (dp, tp) ({dist.get_backend()}), "
-              f"global batch {args.batch_size}x{args.seq_len}", flush=True)
+        print(f"FSDP2 x TP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "
+              f"global batch {batch_size}x{args.seq_len}", flush=True)
     dp_rank = mesh.get_local_rank("dp")
     final, step = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"), loss_context=loss_parallel)
     if rank == 0:

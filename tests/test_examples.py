@@ -21,13 +21,19 @@ relative); the tolerance is rel 1e-4.
    (the example raises otherwise) and the loss falls; ``--backend gloo`` is refused with the
    reason.
 7. ``examples/collectives_tour.py`` on "tpu" (tpu-launch) and on gloo (torchrun), 4 ranks: every
-   collective of the README's support table, checked on every rank, no deprecation warning.
+   collective of the README's support table, checked on every rank, no deprecation warning, and
+   none of libtpu's start-up lines where libtpu is installed.
+8. The README's compile-only command with ``examples/train_fsdp_tp.py`` on a smaller topology
+   (32 TPU7x devices, dp 16: the old default batch of 8 did not split there) with the default
+   batch, and libtpu's start-up lines absent; the default batch and the mesh summary at 8,192
+   ranks (torch's fake backend), where the whole mesh was about 50 KB on one line.
 
 Every training example's last line on stdout is ``final loss X after N steps``.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -134,13 +140,14 @@ def _single_process_losses(steps: int, dp: int) -> dict[int, float]:
         sys.modules[spec.name] = ex  # dataclasses look their module up while it loads
         spec.loader.exec_module(ex)
     args = ex.parse_args([])
+    batch_size = ex.global_batch_size(args.batch_size, dp)
     torch.manual_seed(args.seed)
     model = ex.Decoder(ex.model_config(args))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = ex.corpus()
     losses = {}
     for step in range(1, steps + 1):
-        inputs, targets = ex.batch(data, step, args.batch_size, args.seq_len, args.seed)
+        inputs, targets = ex.batch(data, step, batch_size, args.seq_len, args.seed)
         loss = sum(F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                    for x, y in zip(inputs.chunk(dp), targets.chunk(dp))) / dp
         loss.backward()
@@ -188,5 +195,149 @@ def test_collectives_tour(launcher: str, backend: str) -> None:
     # rank 0 does 20 checks (it roots gather/reduce/gather_object); the odd ranks check a recv.
     assert last.endswith(f"every check passed on all 4 ranks ({backend}): checks per rank [20, 18, 17, 18]"), last
     assert "deprecated" not in proc.stderr and "FutureWarning" not in proc.stderr, proc.stderr[-3000:]
+    assert not _libtpu_noise(proc.stderr), proc.stderr[-3000:]
     if backend == "tpu":
         assert "20 repeated all_reduces" in proc.stdout and "no new program" in proc.stdout
+
+
+# -- at the scale of a pod: the README's compile-only command (issue 35) -----------------------
+
+# What libtpu 0.0.52 printed when it loaded without TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES
+# (every compile-only run did): it reads like an error and is not one.
+_LIBTPU_NOISE = ("Failed to find host bounds for accelerator type", "unexpected worker hostname",
+                 "Logging before InitGoogle", "Source Location Trace", "could not determine TPU")
+
+
+def _libtpu_noise(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if any(n in line for n in _LIBTPU_NOISE)]
+
+
+def test_readme_compile_only_command_runs_with_the_default_batch(tmp_path: Path) -> None:
+    """The README's ``tpu-launch --emulate tpu7x:16x16x16 --compile-only --compile-report
+    plan.json examples/train_fsdp_tp.py`` (8,192 devices: 15 s, 1.1 GiB peak, once, by hand) on
+    ``tpu7x:2x2x4``: 32 devices, a (16, 2) mesh. The old default batch of 8 did not split over 16
+    data-parallel ranks (exit 1, ``ValueError: global batch 8 does not split over 16``); the
+    default is now one sequence per data-parallel rank. Two steps instead of 20 (the same
+    programs). libtpu loads in this run: none of its start-up lines may show."""
+    pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu (pip install libtpu)")
+    report = tmp_path / "plan.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.launch", "--emulate", "tpu7x:2x2x4", "--compile-only",
+         "--compile-report", str(report), "examples/train_fsdp_tp.py", "--steps", "2"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("FSDP2 x TP on mesh [[0, 1], ") and first.endswith("global batch 16x32"), first
+    data = json.loads(report.read_text())
+    assert data["num_devices"] == 32 and data["collectives"]
+    assert all(row["compiled"] for row in data["collectives"]), data
+    assert {row["mesh_dim"] for row in data["collectives"]} >= {"dp", "tp"}
+    assert not _libtpu_noise(proc.stderr), proc.stderr[-4000:]
+
+
+_LIBTPU_LOAD = """
+import logging, os
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+from tpu_dist.collectives.compile_only import topology_devices
+from tpu_dist.mesh import Topology
+devices = topology_devices(Topology.parse("v5p:2x2x1"))
+print(len(devices), os.environ.get("TPU_ACCELERATOR_TYPE"), os.environ.get("TPU_WORKER_HOSTNAMES"))
+"""
+
+
+def test_libtpu_loads_quietly_and_its_real_errors_still_show() -> None:
+    """Compile-only devices give libtpu the accelerator type and host it asks for while it
+    loads (only where no TPU is attached and the user has not set them; logged; removed again
+    after, so the process and its children never see them), so it loads without its start-up
+    lines. A value the user set is kept, and what libtpu says about it still shows (here a
+    malformed TPU_WORKER_HOSTNAMES: the E0000 line), so nothing of libtpu's is filtered."""
+    pytest.importorskip("libtpu", reason="compile-only devices need libtpu (pip install libtpu)")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES")}
+    env.update(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+    quiet = subprocess.run([sys.executable, "-c", _LIBTPU_LOAD], capture_output=True, text=True,
+                           timeout=300, env=env)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.split() == ["4", "None", "None"], quiet.stdout  # not left behind
+    assert not _libtpu_noise(quiet.stderr), quiet.stderr
+    assert ("tpu_dist.collectives.compile_only: tpu_dist: set TPU_ACCELERATOR_TYPE=v5p-8, "
+            "TPU_WORKER_HOSTNAMES=localhost while libtpu loads") in quiet.stderr
+    own = subprocess.run([sys.executable, "-c", _LIBTPU_LOAD], capture_output=True, text=True,
+                         timeout=300, env={**env, "TPU_WORKER_HOSTNAMES": "not a host:x"})
+    assert own.returncode == 0, own.stderr
+    assert own.stdout.split() == ["4", "None", "not", "a", "host:x"], own.stdout  # kept
+    assert "unexpected worker hostname 'not a host:x'" in own.stderr, own.stderr
+    assert "TPU_WORKER_HOSTNAMES=" not in own.stderr.split("E0000")[0]  # not set by tpu_dist
+
+
+_AT_SCALE = """
+import sys
+sys.path.insert(0, "examples")
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore
+import train_fsdp as ex
+
+print(ex.global_batch_size(None, 4096), ex.global_batch_size(None, 4), ex.global_batch_size(None, 2),
+      ex.global_batch_size(None, 3), ex.global_batch_size(48, 16))
+data = ex.corpus()
+inputs, _ = ex.batch(data, 1, ex.global_batch_size(None, 4096), 32, 0)
+print(tuple(inputs.shape), tuple(ex.local_rows(inputs, 4095, 4096).shape))
+try:
+    ex.global_batch_size(8, 16)
+except SystemExit as err:
+    print(err)
+dist.init_process_group("fake", store=FakeStore(), rank=8191, world_size=8192)
+print(ex.describe_mesh(init_device_mesh("cpu", (4096, 2), mesh_dim_names=("dp", "tp"))))
+dist.destroy_process_group()
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+print(ex.describe_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))))
+"""
+
+
+def test_default_batch_and_mesh_summary_at_8192_ranks() -> None:
+    """The training examples at ``tpu7x:16x16x16``'s world (8,192 ranks, a (4096, 2) mesh): the
+    default global batch is one sequence per data-parallel rank and splits; the 4-rank runs keep
+    their 8 (their losses above are unchanged); a --batch-size that does not split says what to
+    pass. The mesh line is a summary with this rank's groups, not 8,192 numbers; small meshes are
+    printed whole, as before. torch's fake backend stands in for the world (one process)."""
+    proc = subprocess.run([sys.executable, "-c", _AT_SCALE], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "4096 8 8 9 48", lines
+    assert lines[1] == "(4096, 32) (1, 32)", lines
+    assert lines[2] == ("--batch-size 8 does not split over 16 data-parallel ranks: pass a multiple "
+                        "of 16 (e.g. --batch-size 16), or leave --batch-size out for one sequence "
+                        "per data-parallel rank (16 here)"), lines
+    assert lines[3] == ("(4096, 2) (dp, tp), 8192 ranks; rank 8191's groups: "
+                        "dp [1, 3, 5, ..., 8189, 8191] (4096 ranks), tp [8190, 8191]"), lines
+    assert lines[4] == "[[0, 1], [2, 3]] (dp, tp)", lines
+
+
+def test_tpu_launch_cpu_workers_never_probe_libtpu(tmp_path: Path) -> None:
+    """A program whose first act is ``jax.devices()`` under ``tpu-launch`` (CPU workers): JAX is
+    pinned to the CPU from process start (``JAX_PLATFORMS=cpu`` unless the user set it), so
+    libtpu's TPU backend is not probed and prints nothing (before: 4 lines of it)."""
+    pytest.importorskip("libtpu", reason="without libtpu, JAX has no TPU backend to probe")
+    from tpu_dist.launch import Discovery, compute_worker_env, parse_args, resolve
+
+    def shared(environ: dict[str, str]) -> dict[str, str]:
+        spec = resolve(parse_args(["--nproc-per-node", "2", "train.py"], environ),
+                       Discovery(on_tpu=False), environ)
+        return dict(compute_worker_env(spec, environ).shared)
+
+    assert shared({})["JAX_PLATFORMS"] == "cpu"
+    assert "JAX_PLATFORMS" not in shared({"JAX_PLATFORMS": "cuda"})  # the user's choice wins
+    script = tmp_path / "jax_first.py"
+    script.write_text("import jax\nprint(jax.devices())\n")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "1", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[CpuDevice(id=0)]" in proc.stdout, proc.stdout
+    assert not _libtpu_noise(proc.stderr), proc.stderr[-3000:]

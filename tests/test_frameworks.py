@@ -2,6 +2,11 @@
 
 * Opt-in default: with ``TPU_DIST_DEFAULT_FOR_CPU=1`` at ``import tpu_dist``, torch's own ways
   of choosing a backend for CPU tensors give tpu_dist's group; without it, gloo stays.
+* No code change (issue 35): torch's device-backend autoload (the ``torch.backends`` entry
+  point, ``_tpu_dist_autoload``) registers "tpu" inside ``import torch`` in a process that never
+  imports tpu_dist, without importing tpu_dist or JAX; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` leaves
+  it out; with ``TPU_DIST_DEFAULT_FOR_CPU=1`` a group created with no backend is tpu_dist's. The
+  hook beside TorchTPU's registration, in either order, ends as ``import tpu_dist`` did before.
 * ``tpu_dist.collectives.set_timeout`` moves the watchdog's deadline for later collectives;
   torch's ``_set_pg_timeout`` does not reach Python process groups (it warns and changes
   nothing), which the first test shows against torch itself.
@@ -157,3 +162,136 @@ def test_launcher_flag_sets_the_variable_for_workers() -> None:
 
     assert shared(["--nproc-per-node", "2", "--default-for-cpu"])["TPU_DIST_DEFAULT_FOR_CPU"] == "1"
     assert "TPU_DIST_DEFAULT_FOR_CPU" not in shared(["--nproc-per-node", "2"])
+
+
+# -- torch's device-backend autoload (issue 35, item 5) -------------------------------------------
+
+_ONE_RANK = """
+    import sys
+    import torch
+    import torch.distributed as dist
+    print("after import torch:", "tpu" in dist.Backend.backend_list, "jax" in sys.modules,
+          "tpu_dist" in sys.modules, dist.Backend.default_device_backend_map["cpu"])
+    if "tpu" in dist.Backend.backend_list:
+        dist.init_process_group(BACKEND, init_method="tcp://127.0.0.1:PORT", rank=0, world_size=1)
+        t = torch.tensor([3.0])
+        dist.all_reduce(t)
+        print("group:", type(dist.group.WORLD).__name__, dist.get_backend_config(), t.item())
+        dist.destroy_process_group()
+"""
+
+
+def _autoload_installed() -> None:
+    """Skip unless the installed tpu-dist has the entry point pyproject.toml declares (an
+    editable install made before it was added lacks it: ``pip install -e .`` again); fail if
+    pyproject.toml does not declare it."""
+    import importlib.metadata
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        declared = tomllib.load(f)["project"]["entry-points"]["torch.backends"]
+    assert declared == {"tpu_dist": "_tpu_dist_autoload:register"}, declared
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="torch.backends")}
+    if installed.get("tpu_dist") != declared["tpu_dist"]:
+        pytest.skip("the installed tpu-dist predates its torch.backends entry point: "
+                    "pip install -e . to register it")
+
+
+def _fresh(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A process that never imports tpu_dist itself: the repository is on the path only so that
+    the entry point's module and tpu_dist resolve to this tree."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return _python(code.replace("PORT", str(port)), {"TPU_DIST_PLATFORM": "cpu", **env})
+
+
+def test_import_torch_registers_tpu_without_importing_tpu_dist_or_jax() -> None:
+    _autoload_installed()
+    for var in ("TPU_DIST_DEFAULT_FOR_CPU", "TPU_DIST_BACKEND_NAME", "TORCH_DEVICE_BACKEND_AUTOLOAD"):
+        assert var not in os.environ, f"{var} is set in the test's environment"
+    on = _fresh(_ONE_RANK.replace("BACKEND", '"tpu"'), {})
+    assert on.returncode == 0, on.stderr
+    lines = on.stdout.splitlines()
+    # Registered inside `import torch`; nothing of tpu_dist or JAX imported, gloo still the default.
+    assert lines[0] == "after import torch: True False False gloo", on.stdout
+    # The first group imports tpu_dist and is its process group; the sum is the one rank's value.
+    assert lines[1] == "group: ProcessGroupTPU cpu:tpu 3.0", on.stdout
+    off = _fresh(_ONE_RANK.replace("BACKEND", '"tpu"'), {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert off.returncode == 0, off.stderr
+    assert off.stdout.splitlines() == ["after import torch: False False False gloo"], off.stdout
+
+
+def test_default_for_cpu_reaches_a_framework_that_never_imports_tpu_dist() -> None:
+    """``TPU_DIST_DEFAULT_FOR_CPU=1 torchrun -m trainer``: the trainer's ``init_process_group()``
+    (no backend) gets tpu_dist, with nothing imported by the trainer but torch."""
+    _autoload_installed()
+    proc = _fresh(_ONE_RANK.replace("BACKEND", "None"), {"TPU_DIST_DEFAULT_FOR_CPU": "1"})
+    assert proc.returncode == 0, proc.stderr
+    # tpu_dist is imported by the hook (it applies the variable), JAX is not.
+    assert proc.stdout.splitlines() == [
+        "after import torch: True False True tpu", "group: ProcessGroupTPU cpu:tpu 3.0"], proc.stdout
+    assert "default_device_backend_map['cpu'] = 'tpu' (was 'gloo')" in proc.stderr  # logged
+
+
+_TORCHTPU = """
+    import warnings
+    import torch.distributed as dist
+    def torchtpu_creator(store, rank, size, timeout):
+        raise AssertionError("not called")
+    torchtpu_creator.__module__ = "torch_tpu._internal.distributed.torchcomm_tpu"
+    def torchtpu_registers():  # what TorchTPU's own torch.backends hook does (tests/torchtpu_sim.py)
+        for name in ("tpu", "tpu_dist"):
+            dist.Backend.register_backend(name, torchtpu_creator, devices=["tpu"])
+"""
+
+
+@pytest.mark.parametrize("torchtpu_first", [True, False])
+def test_hook_beside_torchtpu_in_either_order(torchtpu_first: bool) -> None:
+    """torch runs the torch.backends hooks in an order it does not define. Either way the hook
+    warns about nothing and imports nothing of JAX, TorchTPU keeps "tpu" and "tpu_dist", and
+    ``import tpu_dist`` then takes "tpu_jax" and warns once, as it did with TorchTPU loaded first
+    and no hook. (Run by hand with torch's autoload off, so that only the order differs.)"""
+    order = ("torchtpu_registers()", "_tpu_dist_autoload.register()")
+    proc = _python(_TORCHTPU + f"""
+    import sys
+    import _tpu_dist_autoload
+    with warnings.catch_warnings(record=True) as at_import_torch:
+        warnings.simplefilter("always")
+        {order[0] if torchtpu_first else order[1]}
+        {order[1] if torchtpu_first else order[0]}
+    print("warnings:", len(at_import_torch), "jax:", "jax" in sys.modules, "tpu_dist:", "tpu_dist" in sys.modules)
+    print("tpu:", dist.Backend._plugins["TPU"].creator_fn is torchtpu_creator,
+          "tpu_dist:", dist.Backend._plugins["TPU_DIST"].creator_fn is torchtpu_creator)
+    with warnings.catch_warnings(record=True) as at_import_tpu_dist:
+        warnings.simplefilter("always")
+        import tpu_dist
+        from tpu_dist.collectives import _registry
+    print("backend:", tpu_dist.BACKEND,
+          dist.Backend._plugins["TPU_JAX"].creator_fn is _registry._create_process_group)
+    said = [str(w.message) for w in at_import_tpu_dist]
+    print("warned:", len(said), all("'tpu' is already registered by torch_tpu" in m for m in said))
+    """, {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "warnings: 0 jax: False tpu_dist: False",
+        "tpu: True tpu_dist: True",
+        "backend: tpu_jax True",
+        "warned: 1 True",
+    ], proc.stdout
+
+
+def test_hook_names_are_tpu_dist_settings() -> None:
+    """The hook cannot import tpu_dist's settings (that would run tpu_dist/__init__.py inside
+    ``import torch``), so it spells the names itself: they must be the same."""
+    import _tpu_dist_autoload as hook
+
+    from tpu_dist import _settings
+    from tpu_dist.collectives import FALLBACK_BACKEND_NAME
+
+    assert hook.DEFAULT_FOR_CPU_ENV == _settings.DEFAULT_FOR_CPU.env
+    assert hook.BACKEND_NAME_ENV == _settings.BACKEND_NAME.env
+    assert hook.DEFAULT_NAME == _settings.BACKEND_NAME.default
+    assert hook.FALLBACK_NAME == FALLBACK_BACKEND_NAME

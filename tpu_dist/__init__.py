@@ -3,7 +3,11 @@
 ``import tpu_dist`` registers the c10d backend "tpu" (see
 :mod:`tpu_dist.collectives`; "tpu_jax" when another package such as TorchTPU holds "tpu");
 nothing else in torch is changed, unless ``TPU_DIST_DEFAULT_FOR_CPU=1`` asks to make it torch's
-default backend for CPU tensors (:func:`tpu_dist.collectives.make_default_for_cpu`). Subpackages:
+default backend for CPU tensors (:func:`tpu_dist.collectives.make_default_for_cpu`). Where
+tpu-dist is installed, ``import torch`` already registers the name through torch's
+device-backend autoload (the ``torch.backends`` entry point, the top-level module
+``_tpu_dist_autoload``) with a creator that imports this package when the first group is
+created; ``import tpu_dist`` then registers its own creator in its place. Subpackages:
 
 * :mod:`tpu_dist.collectives` - the "tpu" process group.
 * :mod:`tpu_dist.mesh` - TPU topologies and topology-aware device meshes.

@@ -115,7 +115,11 @@ def _owner(name: str) -> str | None:
     plugin = dist.Backend._plugins.get(name.upper())
     if plugin is None:
         return None
-    if plugin.creator_fn is _create_process_group:
+    # Also tpu_dist's: the lazy creator its torch.backends hook (_tpu_dist_autoload) registers
+    # inside `import torch`; registering here replaces it with _create_process_group.
+    if plugin.creator_fn is _create_process_group or (
+        getattr(plugin.creator_fn, "__module__", None) == "_tpu_dist_autoload"
+    ):
         return "tpu_dist"
     return getattr(plugin.creator_fn, "__module__", None) or "another package"
 

@@ -43,10 +43,12 @@ Limits seen with libtpu 0.0.52 (for whoever compiles whole jobs this way):
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -93,6 +95,8 @@ _MEGASCALE_RE = re.compile(
 _MEGASCALE_SLICE_STRIDE = 100_000
 """libtpu's multi-slice device ids: ``(slice_index + 1) * 100000 + id within the slice``."""
 _SEND_RE = re.compile(r"^\s*(?:ROOT\s+)?%\S+\s*=\s*.*?\ssend\(")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,9 +187,10 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
         kwargs["chip_config_name"] = "megacore"  # one device per chip, as tpu_dist models v4
     if topology.num_slices > 1:
         kwargs["num_slices"] = topology.num_slices
-    desc = topologies.get_topology_desc(
-        topology_name=f"{gen.libtpu_name}:{topology.topology}", platform="tpu", **kwargs
-    )
+    with _host_described_to_libtpu(topology):
+        desc = topologies.get_topology_desc(
+            topology_name=f"{gen.libtpu_name}:{topology.topology}", platform="tpu", **kwargs
+        )
     devices = list(desc.devices)
     if len(devices) != topology.num_devices:
         raise ValueError(
@@ -199,6 +204,46 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
         where = (getattr(d, "slice_index", 0) or 0, *tuple(d.coords)[:nd], d.core_on_chip)
         ordered[int(grid[where])] = d
     return ordered
+
+
+_libtpu_env_logged = False
+
+
+@contextlib.contextmanager
+def _host_described_to_libtpu(topology: Topology) -> Iterator[None]:
+    """While libtpu loads, give it the TPU VM description it reads, on a machine without a TPU.
+
+    With ``TPU_SKIP_MDS_QUERY`` set (``import jax`` sets it where no TPU chip is attached) libtpu
+    does not ask the metadata server, and without ``TPU_ACCELERATOR_TYPE`` and
+    ``TPU_WORKER_HOSTNAMES`` libtpu 0.0.52 prints lines that read like errors when it loads:
+    "Failed to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT: Error:
+    unexpected worker hostname", a source location trace. They are not errors: compile-only
+    devices describe the topology they are asked for whatever these variables say (the same
+    devices, ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So
+    they are set to ``topology``'s accelerator type and this host for the call that loads
+    libtpu, and removed again afterwards (libtpu reads them once, when it loads; nothing of the
+    process or its children sees them), only there (not on a TPU VM, where libtpu reads its
+    metadata) and only when the user has not set them; logged at INFO, once.
+    """
+    global _libtpu_env_logged
+    chosen: dict[str, str] = {}
+    if os.environ.get("TPU_SKIP_MDS_QUERY"):  # else: a TPU VM, libtpu asks its metadata server
+        wanted = {"TPU_ACCELERATOR_TYPE": topology.accelerator_type,
+                  "TPU_WORKER_HOSTNAMES": "localhost"}
+        chosen = {k: v for k, v in wanted.items() if k not in os.environ}
+    if chosen and not _libtpu_env_logged:
+        _libtpu_env_logged = True
+        logger.info(
+            "tpu_dist: set %s while libtpu loads its compile-only devices (no TPU attached; "
+            "libtpu reads them when it loads)", ", ".join(f"{k}={v}" for k, v in chosen.items())
+        )
+    os.environ.update(chosen)
+    try:
+        yield
+    finally:
+        for name, value in chosen.items():
+            if os.environ.get(name) == value:
+                del os.environ[name]
 
 
 def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> CompiledCollective:

@@ -113,6 +113,8 @@ From tpu-launch:
 ``OMP_NUM_THREADS``                 1 with several workers per host (as torchrun)
 ``GLIBC_TUNABLES``                  ``glibc.malloc.hugetlb=1`` for CPU workers: large buffers on
                                     transparent huge pages (~1/3 off a 64 MiB all_reduce)
+``JAX_PLATFORMS``                   ``cpu`` for CPU workers (unless you set it): a program's own
+                                    JAX calls never probe libtpu's TPU backend
 ``TPU_DIST_DEFAULT_FOR_CPU``        ``1`` with ``--default-for-cpu``: tpu_dist is torch's default
                                     backend for CPU tensors (``init_process_group()`` unnamed)
 ``TPU_DIST_LAUNCH_ATTEMPT``         the attempt (0, 1, ...), the same on every node, unlike

@@ -9,7 +9,8 @@ Three layers, applied in this order:
 2. **Shared** variables (:attr:`WorkerEnv.shared`), the same for every local worker, exported by
    the launcher: ``TPU_DIST_PLATFORM``, ``TPU_DIST_TOPOLOGY``, ``TPU_DIST_NUM_SLICES``
    (emulation), ``TPU_PROCESS_BOUNDS``, ``TPU_CHIPS_PER_PROCESS_BOUNDS``,
-   ``TPU_PROCESS_ADDRESSES`` (TPU), ``OMP_NUM_THREADS``, ``GLIBC_TUNABLES`` (CPU workers),
+   ``TPU_PROCESS_ADDRESSES`` (TPU), ``OMP_NUM_THREADS``, ``GLIBC_TUNABLES`` and
+   ``JAX_PLATFORMS=cpu`` (CPU workers, each unless set),
    ``TPU_DIST_DEFAULT_FOR_CPU`` (``--default-for-cpu``); with ``--runtime torchtpu``, instead
    of the ``TPU_PROCESS_*`` ones, TorchTPU's ``TORCH_TPU_*`` (and ``MEGASCALE_*``) variables
    (:mod:`._torchtpu`).
@@ -177,6 +178,11 @@ def compute_worker_env(
         # with transparent huge pages cut a 64 MiB all_reduce's time by ~1/3 (benchmarks/,
         # E9 and E13). glibc < 2.35 and other C libraries ignore the variable.
         shared["GLIBC_TUNABLES"] = HUGE_PAGES_TUNABLE
+    if spec.platform == "cpu" and "JAX_PLATFORMS" not in environ:
+        # tpu_dist pins JAX to the CPU when the first "tpu" group starts; pinned from the start,
+        # a program's own JAX call before that does not probe libtpu's TPU backend, whose
+        # start-up lines read like errors where libtpu is installed (issue 35).
+        shared["JAX_PLATFORMS"] = "cpu"
 
     # The user's own variables win, except where an explicit flag said otherwise.
     for var, value in list(shared.items()):
