@@ -141,7 +141,8 @@ def main() -> None:
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
-    model = Decoder(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_hidden=64,
+    # ffn 256 x 512: the weights are over the 65,536 elements compile-only makes fake.
+    model = Decoder(ModelConfig(vocab_size=64, dim=256, n_layers=1, n_heads=2, ffn_hidden=512,
                                 max_seq_len=16))
     apply_tensor_parallel(model, mesh["tp"], parallel_loss=False)
     for layer in model.layers:

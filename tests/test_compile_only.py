@@ -71,6 +71,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         "rank0": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
         "rank3": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--compile-rank", "3"],
                   _env()),
+        "rank0_real": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--tensors", "real"],
+                       _env()),
         "dcn": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "2", "--compile-only"],
                 _env()),
         "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
@@ -131,6 +133,21 @@ def test_recording_matches_what_gloo_sees(runs: dict, rank: int) -> None:
     assert ours_calls == gloo_calls
     assert ours_bytes == gloo_bytes
     assert "VALUES ARE NOT MEANINGFUL" in out and "no data moved" in out
+
+
+def test_fake_tensors_record_what_real_tensors_do(runs: dict) -> None:
+    # The default (--tensors fake: the job's large tensors hold no data) records the same
+    # collectives, with the same groups, sizes and counts, as a run with real tensors.
+    fake_code, fake_out, fake = runs["rank0"]
+    real_code, real_out, real = runs["rank0_real"]
+    assert fake_code == 0 and real_code == 0, (fake_out, real_out)
+    assert "ran with fake tensors" in fake_out and "ran with fake tensors" not in real_out
+
+    def rows(report: dict) -> list[tuple]:
+        return [(r["op"], r["reduce_op"], r["group_size"], r["mesh_dim"], r["bytes_per_rank"],
+                 r["dtype"], r["count"], r["program"]) for r in report["collectives"]]
+
+    assert rows(fake) == rows(real)
 
 
 def test_report_fields_and_every_program_compiles(runs: dict) -> None:

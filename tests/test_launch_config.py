@@ -371,3 +371,11 @@ def test_preflight_tpu_devices_lockfile_and_host_count(tmp_path: Path) -> None:
     started = time.monotonic()
     preflight(spec, env)  # the real /proc scan stays cheap
     assert time.monotonic() - started < 10
+
+
+def test_the_scripts_own_flags_are_never_taken_for_abbreviations_of_the_launchers() -> None:
+    # --tp prefixes --tpu-base-port: before, argparse stopped with "ambiguous option" before
+    # the script ran; --nnodes after the script is the script's, not the launcher's.
+    args = parse_args(["--nproc-per-node", "2", "train.py", "--tp", "8", "--nnodes", "3"], {})
+    assert args.training_script == "train.py"
+    assert args.training_script_args == ["--tp", "8", "--nnodes", "3"]

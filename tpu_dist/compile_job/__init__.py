@@ -15,7 +15,9 @@ ranks there), and reports on every collective the script issued. The pieces, in 
    (``pip install libtpu``; no TPU needed), each in a child process started while the
    script runs, so that a compiler crash (a signal) fails that program, named with the
    script line that issued it, and the report is still written with every other program.
-3. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
+3. The script runs with its large tensors fake (:class:`LargeTensorsFake`: shapes, no data),
+   so a model of any size costs no memory; ``--tensors real`` runs it with real tensors.
+4. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).
 4. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
@@ -50,6 +52,7 @@ from tpu_dist.compile_job._estimate import (
     fsdp_tp_collectives,
     step_estimate,
 )
+from tpu_dist.compile_job._fake import LargeTensorsFake
 from tpu_dist.compile_job._session import (
     Session,
     activate,
@@ -63,6 +66,7 @@ __all__ = [
     "CompileReport",
     "CompiledCall",
     "DecoderShape",
+    "LargeTensorsFake",
     "Session",
     "StepCollective",
     "StepEstimate",

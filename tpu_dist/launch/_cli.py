@@ -155,6 +155,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     env = os.environ if environ is None else environ
     parser = get_args_parser()
     parser.prog = "tpu-launch"
+    # No prefix matching of the launcher's flags: argparse applies it to every "--x" of argv,
+    # the script's own arguments included, so a script's --tp (tensor parallelism) was taken
+    # for an abbreviation of --tpu-base-port ("ambiguous option") before it reached the script.
+    parser.allow_abbrev = False
     parser.description = (
         "Start the workers of one host of a torch.distributed job on TPU (or CPU emulation). "
         "See `python -c 'import tpu_dist.launch; help(tpu_dist.launch)'` for the manual."
@@ -241,6 +245,15 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         default=0,
         metavar="R",
         help="With --compile-only: the global rank the script runs as (default 0).",
+    )
+    group.add_argument(
+        "--tensors",
+        choices=("fake", "real"),
+        default="fake",
+        help="With --compile-only: 'fake' (default) makes the script's large tensors fake "
+        "tensors (shape and dtype, no data: a model of any size and sequence length costs no "
+        "memory; values read back, such as loss.item(), are 0); 'real' runs it with real "
+        "tensors (needs their memory).",
     )
     group.add_argument(
         "--compile-report",
@@ -350,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         try:
             code = run_compile_only(
-                spec, environ, rank=args.compile_rank, report=args.compile_report
+                spec, environ, rank=args.compile_rank, report=args.compile_report,
+                tensors=args.tensors,
             )
         except ValueError as err:
             sys.stderr.write(f"tpu-launch: error: {err}\n")

@@ -51,7 +51,12 @@ def _check(spec: LaunchSpec, rank: int) -> int:
 
 
 def run_compile_only(
-    spec: LaunchSpec, environ: Mapping[str, str], *, rank: int, report: str | None
+    spec: LaunchSpec,
+    environ: Mapping[str, str],
+    *,
+    rank: int,
+    report: str | None,
+    tensors: str = "fake",
 ) -> int:
     """Run the compile-only process for ``spec`` as global ``rank``; returns the exit code.
 
@@ -84,6 +89,8 @@ def run_compile_only(
     command = [entry.python, "-u", "-m", "tpu_dist.launch._compile_only"]
     if report:
         command += ["--report", os.path.abspath(report)]
+    if tensors == "real":
+        command += ["--real-tensors"]
     command += [mode, entry.target, *entry.args]
     return subprocess.call(command, env=env)
 
@@ -132,9 +139,11 @@ def _run_script(mode: str, target: str, args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tpu_dist.launch._compile_only [--report FILE] {python|module} TARGET ARGS...``"""
     argv = list(sys.argv[1:] if argv is None else argv)
-    report_path = None
+    report_path, real_tensors = None, False
     if argv[:1] == ["--report"]:
         report_path, argv = argv[1], argv[2:]
+    if argv[:1] == ["--real-tensors"]:
+        real_tensors, argv = True, argv[1:]
     if len(argv) < 2 or argv[0] not in ("python", "module"):
         print(__doc__, file=sys.stderr)
         return 2
@@ -164,7 +173,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     store = _serve_store()
     started = time.monotonic()
-    code = _run_script(mode, target, args)
+    if real_tensors:
+        code = _run_script(mode, target, args)
+    else:
+        from tpu_dist.compile_job import LargeTensorsFake
+
+        with LargeTensorsFake() as fake:
+            code = _run_script(mode, target, args)
+        print(
+            f"tpu-launch --compile-only: ran with fake tensors ({fake.faked} made fake, "
+            f"{fake.placeholders} value(s) read back as 0)",
+            file=sys.stderr,
+        )
+        if code:
+            print(
+                "tpu-launch --compile-only: the script failed with fake tensors (large tensors "
+                "hold no data in this mode; the error is above). If it needs real values, run "
+                "it with --tensors real.",
+                file=sys.stderr,
+            )
     script_seconds = time.monotonic() - started
     try:
         report = session.compile(rank, script_seconds)
