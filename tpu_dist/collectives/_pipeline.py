@@ -178,7 +178,7 @@ class Pipeline:
             completer=s.completer,
         )
         self._remember(work)
-        _watchdog.track(s.watchdog, work, call)
+        work.on_done(_watchdog.track(s.watchdog, work, call))
         finish, to_torch = plan.finish, s.to_torch
 
         def complete(outs: list) -> list[torch.Tensor]:
@@ -339,7 +339,7 @@ class Pipeline:
             return plan.finish([s.to_torch(o) for o in outs])
 
         try:
-            _watchdog.track(s.watchdog, op.work, self._p2p_call(op, timeout))
+            op.work.on_done(_watchdog.track(s.watchdog, op.work, self._p2p_call(op, timeout)))
             array = s.to_jax(plan.block)
             devices = [self._devices[r] for r in plan.pair_group_ranks]
             if block and not self._poll:

@@ -612,11 +612,16 @@ def _pid_state(pid: int) -> str:
     return "stopped" if state in ("T", "t") else "running"
 
 
-def track(watchdog: Watchdog | None, work: TPUWork, call: Call) -> None:
+def track(
+    watchdog: Watchdog | None, work: TPUWork, call: Call
+) -> Callable[[BaseException | None], None]:
     """The *track* stage: record ``call`` in the flight recorder and put its ``work`` under
     ``watchdog``; every call, p2p included, before it is dispatched (the first call of a
     program sets up XLA's communicators inside dispatch and blocks there until every peer
     arrives).
+
+    Returns the callback the caller hands to ``work.on_done``: it closes the flight-record
+    entry and takes the work off the watch when the work ends.
 
     Raises:
         torch.distributed.DistBackendError: the group failed earlier (raise policy).
@@ -638,4 +643,4 @@ def track(watchdog: Watchdog | None, work: TPUWork, call: Call) -> None:
         if watchdog is not None:
             watchdog.done(work)
 
-    work.on_done(on_done)
+    return on_done
