@@ -286,21 +286,20 @@ class Compiler:
 def compile_calls(
     calls: Sequence[RecordedCall],
     topology: Topology,
-    devices: Sequence[Any],
     rank: int,
     script_seconds: float = 0.0,
     progress: Callable[[str], None] | None = None,
     compiler: Compiler | None = None,
 ) -> CompileReport:
-    """Compile every distinct program of ``calls`` over ``devices`` (the compile-only TPU
-    device of each global rank of ``topology``); identical programs compile once, each in a
+    """Compile every distinct program of ``calls`` over the compile-only TPU devices of
+    ``topology`` (rank ``r`` on the device ``tpu-launch`` gives it: the ids in each key are
+    those devices'); identical programs compile once, each in a
     crash-isolating child (:class:`Compiler`): a program that crashes libtpu's compiler is
     reported as failed, with the signal, and the others still compile.
 
     Args:
         calls: The recorded calls, in the order first issued.
         topology: The target world's topology.
-        devices: The compile-only TPU device of each global rank.
         rank: The global rank the script ran as.
         script_seconds: How long the script ran (for the report).
         progress: Called with one line per program compiled (default: stderr).
@@ -311,7 +310,6 @@ def compile_calls(
         def progress(line: str) -> None:
             print(line, file=sys.stderr, flush=True)
 
-    by_id = {d.id: d for d in devices}
     programs: dict[Any, tuple[bool, tuple[str, ...], float, int | None, str | None]] = {}
     started = time.monotonic()
     distinct = list(dict.fromkeys(c.key for c in calls))

@@ -117,11 +117,9 @@ class Session:
                 "compile-only: no 'tpu' process group was created while the session was active "
                 "(call init_process_group('tpu') in the script)"
             )
-        topology, devices = self._world
+        topology, _ = self._world
         compiler, self._compiler = self._compiler, None
-        return compile_calls(
-            self.recorded(), topology, devices, rank, script_seconds, progress, compiler
-        )
+        return compile_calls(self.recorded(), topology, rank, script_seconds, progress, compiler)
 
 
 _active: Session | None = None
