@@ -36,6 +36,7 @@ from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._pipeline import GroupPipeline
 from tpu_dist.collectives._work import TPUWork
 
+
 def _sent_key(src: int, dst: int, tag: int) -> str:
     """The store counter of sends from group rank ``src`` to ``dst`` with ``tag``."""
     return f"tpu_dist/p2p_sent/{src}/{dst}/{tag}"
