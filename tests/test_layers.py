@@ -4,7 +4,7 @@ Read from the source with ``ast``, so every import counts: at module top, inside
 (a lazy import still ties two modules together), and under ``TYPE_CHECKING``. Layers, lowest
 first (``tpu_dist/ARCHITECTURE.md``)::
 
-    _settings  <  mesh  <  collectives  <  dtensor_ext, compile_job  <  launch  <  bench  <  tpu_dist
+    _settings < mesh < collectives < dtensor_ext, compile_job < launch < bench < tpu_dist
 
 A module may import its own subpackage and any lower layer; ``dtensor_ext`` and
 ``compile_job`` (one layer) do not import each other. Across subpackages only public modules

@@ -238,7 +238,9 @@ class Dispatcher:
     def _agree(self, devices: list, offer: Ticket) -> list[Ticket]:
         """All-gather every rank's offered ticket over ``devices`` (sorted by id)."""
         ids = tuple(d.id for d in devices)
-        key = _plan.program_key(Kind.ALLGATHER, ids, ((len(offer), "int32"),), (), devices[0].platform)
+        key = _plan.program_key(
+            Kind.ALLGATHER, ids, ((len(offer), "int32"),), (), devices[0].platform
+        )
         mine = self._to_jax(torch.tensor(offer, dtype=torch.int32))
         self._wait_for_others(ids, threading.get_ident())
         (gathered,) = self._programs.run(key, devices, [mine])

@@ -56,7 +56,9 @@ class LargeTensorsFake(TorchDispatchMode):
         self.placeholders = 0
         """How many values were read back from fake tensors as placeholders."""
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
         kwargs = kwargs or {}
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):

@@ -49,9 +49,10 @@ def count_local_tpu_chips(sysfs_root: str = "/sys") -> int:
 
 def tpu_device_files(dev_root: str = "/dev") -> list[str]:
     """The TPU device files present under ``dev_root`` (:data:`TPU_DEVICE_GLOBS`), sorted."""
-    return sorted(
-        {path for pattern in TPU_DEVICE_GLOBS for path in glob.glob(os.path.join(dev_root, pattern))}
-    )
+    found = set()
+    for pattern in TPU_DEVICE_GLOBS:
+        found.update(glob.glob(os.path.join(dev_root, pattern)))
+    return sorted(found)
 
 
 def tpu_attached(*, sysfs_root: str = "/sys", dev_root: str = "/dev") -> bool:
