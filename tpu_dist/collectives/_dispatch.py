@@ -134,7 +134,7 @@ class Dispatcher:
     def run_in_order(self, key: ProgramKey, devices, arrays) -> list:
         """Start ``key``'s program now, inline, unless earlier ones are still queued here or
         a program another thread started on the same devices is still running (then here)."""
-        me, device_set = threading.get_ident(), _device_set(devices)
+        me, device_set = threading.get_ident(), device_set_of(devices)
         if self._queued == 0 and not self._running_elsewhere(device_set, me):
             return self._started(device_set, me, self._programs.run(key, devices, arrays))
         return self.submit(key, devices, arrays).result()
@@ -195,7 +195,7 @@ class Dispatcher:
                 self._order(job)
 
     def _start(self, job: _Job) -> None:
-        me, device_set = threading.get_ident(), _device_set(job.devices)
+        me, device_set = threading.get_ident(), device_set_of(job.devices)
         self._wait_for_others(device_set, me)
         try:
             outs = self._programs.run(job.key, job.devices, job.arrays)
@@ -253,7 +253,7 @@ class Dispatcher:
             self._queued -= 1
 
 
-def _device_set(devices: Sequence) -> tuple[int, ...]:
+def device_set_of(devices: Sequence) -> tuple[int, ...]:
     """The sorted ids of ``devices``: what XLA keys a program's communicator by."""
     return tuple(sorted(d.id for d in devices))
 

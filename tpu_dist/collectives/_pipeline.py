@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _plan, _watchdog
-from tpu_dist.collectives._dispatch import P2POp, Ticket
+from tpu_dist.collectives._dispatch import P2POp, Ticket, device_set_of
 from tpu_dist.collectives._types import Call, Kind
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
 
@@ -112,7 +112,7 @@ class Pipeline:
         then starts on the dispatcher thread). ``check_calls``: the DETAIL check."""
         self._s = services
         self._devices = list(devices)
-        self._device_set = tuple(sorted(d.id for d in self._devices))
+        self._device_set = device_set_of(self._devices)
         # This group's index among the groups over its device set (see _dispatch.Dispatcher).
         self._index_in_set = services.device_sets.add(self._device_set)
         self._live = True

@@ -75,7 +75,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from torch.distributed import PrefixStore, TCPStore
@@ -156,8 +156,8 @@ class RendezvousView:
     timeout_s: float
 
 
-def _ranges(ranks: list[int]) -> str:
-    """``1`` or ``1-3, 5``."""
+def format_ranges(ranks: Sequence[int]) -> str:
+    """``1`` or ``1-3, 5`` (ascending ``ranks``; also the launcher's failure summary's)."""
     spans: list[list[int]] = []
     for r in ranks:
         if spans and r == spans[-1][1] + 1:
@@ -224,7 +224,7 @@ class _Progress:
                 f"at {v.endpoint} ({len(joined)} of {v.max_nodes} joined, {timing})"
             )
         return (
-            f"tpu-launch: node {v.node_rank} is waiting for node(s) {_ranges(missing)} to join "
+            f"tpu-launch: node {v.node_rank} is waiting for node(s) {format_ranges(missing)} to join "
             f"the rendezvous at {v.endpoint} ({len(joined)} of {v.max_nodes} joined, {timing})"
         )
 

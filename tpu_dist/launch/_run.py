@@ -338,15 +338,11 @@ def _last_error_lines(rank: int, failure: Any) -> list[str]:
 
 def _rank_ranges(ranks: Sequence[int]) -> str:
     """``rank 3`` or ``ranks 0-9, 11-15``."""
+    from tpu_dist.launch._rendezvous import format_ranges
+
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
-    spans: list[list[int]] = []
-    for r in ranks:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    return "ranks " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return "ranks " + format_ranges(ranks)
 
 
 def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
