@@ -8,6 +8,8 @@ Groups used below:
     CPU2   2 ranks on CPU devices (10, 11), this process is group rank 0 (global rank 4 of (4, 6))
     CPU4   4 ranks on CPU devices (0, 1, 2, 3), this process is group rank 1
     TPU4   4 ranks on TPU devices (0, 1, 2, 3), this process is group rank 2
+    FAM_A  group [0, 1] of the family [[0, 1], [2, 3]] on CPU devices 0-3, group rank 1
+    FAM_B  group [2, 3] of the same family, group rank 0
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from tpu_dist.collectives._plan import GroupView, choose_algorithm
 CPU2 = GroupView(0, 2, (10, 11), "cpu", (4, 6), "g2")
 CPU4 = GroupView(1, 4, (0, 1, 2, 3), "cpu")
 TPU4 = GroupView(2, 4, (0, 1, 2, 3), "tpu")
+FAM_A = GroupView(1, 2, (0, 1), "cpu", (0, 1), family=((0, 1), (2, 3)))
+FAM_B = GroupView(0, 2, (2, 3), "cpu", (2, 3), family=((0, 1), (2, 3)))
 
 SUM, MAX, AVG = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.AVG
 
@@ -251,6 +255,43 @@ def test_algorithm_rules() -> None:
     assert choose_algorithm("allreduce", ((8, "float32"),), ("SUM",), "cpu", 1) == "xla"
     assert choose_algorithm("alltoall", ((8, "int32"),), (), "cpu", 4) == "xla"
     assert choose_algorithm("broadcast", ((8, "int32"), (2, "int32")), (0, True), "cpu", 4) == "xla"
+
+
+def test_a_familys_groups_share_one_family_program() -> None:
+    # Each group of the family plans the same key: every device of the family, group after
+    # group, and the number of groups; the body is the group's (2 ranks).
+    t = torch.ones(3)
+    a, b = _plan.all_reduce(FAM_A, [t], SUM).key, _plan.all_reduce(FAM_B, [t], SUM).key
+    assert a == b == ProgramKey("allreduce", (0, 1, 2, 3), ((3, "float32"),), ("SUM",),
+                                "exchange", 2)
+    assert a.group_size == 2
+    out = torch.empty(6)
+    gathered = _plan.all_gather_into_tensor(FAM_A, out, torch.ones(3)).key
+    assert gathered == ProgramKey("allgather", (0, 1, 2, 3), ((3, "int32"),), (), "exchange", 2)
+    # The pair of a send keeps its own program; so does a group of one (nothing to exchange).
+    assert _plan.p2p(FAM_A, "send", [t], 0, 0).key.groups == 1
+    single = GroupView(0, 1, (5,), "cpu", (5,), family=((4,), (5,)))
+    assert _plan.all_reduce(single, [t], SUM).key == ProgramKey(
+        "allreduce", (5,), ((3, "float32"),), ("SUM",), "xla"
+    )
+
+
+def test_tpu7x_keeps_a_groups_own_program_for_xlas_gathers_and_scatters() -> None:
+    # libtpu 0.0.52 rejects XLA's native all-gather / reduce-scatter in a program over a whole
+    # TPU7x slice; the group's own program compiles there. Other kinds, and other
+    # generations, run the family program.
+    family = ((0, 1), (2, 3))
+    f32 = ((8, "float32"),)
+    def key(kind: str, params: tuple, device_kind: str) -> ProgramKey:
+        return _plan.program_key(kind, (0, 1), f32, params, "tpu", family, device_kind)
+
+    for kind, params in (("allgather", ()), ("reduce_scatter", ("SUM",)),
+                         ("allreduce", ("PRODUCT",))):
+        assert key(kind, params, "TPU7x").groups == 1, kind
+        assert key(kind, params, "TPU v6 lite").groups == 2, kind
+    assert key("allreduce", ("SUM",), "TPU7x").groups == 2
+    assert key("alltoall", (), "TPU7x").groups == 2
+    assert key("reduce_scatter", ("MAX",), "TPU7x").groups == 2  # an exchange: all-to-all
 
 
 def test_plans_carry_the_algorithm_of_their_platform() -> None:

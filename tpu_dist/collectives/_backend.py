@@ -77,13 +77,14 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._devices = list(devices)
         self._view = _plan.GroupView(
             rank, size, tuple(d.id for d in self._devices), self._devices[0].platform,
-            tuple(self._global_ranks),
+            tuple(self._global_ranks), device_kind=self._devices[0].device_kind,
         )
         self._pipeline = pipeline
         self._timeout = timeout
         self._group_name = ""
         self._group_desc = ""
         self._on_named = on_named
+        self._family_ranks: tuple[tuple[int, ...], ...] = ()
 
     # -- identity (funcol, DTensor, FSDP2 and TP need names) -----------------
 
@@ -118,6 +119,60 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     def devices(self) -> list:
         """The JAX device of each group rank (of each global rank, for the default group)."""
         return list(self._devices)
+
+    @property
+    def family(self) -> list[list[int]]:
+        """The global ranks of each group of this group's family (:meth:`set_family`), or
+        ``[]`` when it is not one of a family."""
+        return [list(g) for g in self._family_ranks]
+
+    def set_family(self, groups: Sequence[Sequence[int]], devices: Sequence) -> None:
+        """Declare this group one of a *family*: the equal, disjoint groups of one mesh
+        dimension, every one of which calls the same collectives at the same points (what
+        DeviceMesh, FSDP2 and TP do). Its collectives then run as one program over the
+        devices of the whole family, whose replica groups are the family's groups
+        (:attr:`~._types.ProgramKey.groups`): on TPU v5e and v6e a collective over part of a
+        slice compiles only so.
+
+        ``tpu_dist.mesh.init_device_mesh`` and ``tpu_dist.mesh.register_mesh`` call this;
+        every rank of every group of the family must call it with the same ``groups``, before
+        the group's first collective. A group of one rank, or a family of one group, keeps
+        its own program.
+
+        Args:
+            groups: The global ranks of each group of the family, each in group-rank order;
+                this group's ranks are one of them.
+            devices: The JAX device of each global rank (the default group's ``devices``).
+
+        Raises:
+            ValueError: the groups are not equal in size, overlap, or do not include this
+                group as it is (same ranks, same order); nothing is changed then.
+        """
+        rows = tuple(tuple(int(r) for r in g) for g in groups)
+        mine = tuple(self._global_ranks)
+        sizes = {len(g) for g in rows}
+        flat = [r for g in rows for r in g]
+        problem = None
+        if mine not in rows:
+            problem = f"none of them is this group's ranks {list(mine)} (in group-rank order)"
+        elif len(sizes) != 1:
+            problem = f"their sizes differ ({sorted(sizes)})"
+        elif len(set(flat)) != len(flat):
+            problem = "a rank is in two of them"
+        elif max(flat) >= len(devices) or min(flat) < 0:
+            problem = f"a rank is outside the {len(devices)} devices given"
+        if problem is not None:
+            shown = [list(g) for g in rows[:4]] + (["..."] if len(rows) > 4 else [])
+            raise ValueError(
+                f"set_family: the groups {shown} ({len(rows)} groups) cannot be the family of "
+                f"group {self._group_name or '?'}: {problem}. Pass every group of one mesh "
+                "dimension, each as its ranks in group-rank order."
+            )
+        if self.size() < 2 or len(rows) < 2:
+            rows = ()
+        self._family_ranks = rows
+        family = tuple(tuple(devices[r].id for r in g) for g in rows)
+        self._view = dataclasses.replace(self._view, family=family)
 
     @property
     def timeout(self) -> timedelta:

@@ -10,6 +10,16 @@ touches its own block. Example, all_reduce of 3 floats on 2 ranks::
     body (per block)   psum(x, "x")
     global output (6,) = [s0 s1 s2 | s0 s1 s2]      s = a + b, each rank reads its block
 
+A group registered as one of a *family* (the equal groups of a mesh dimension,
+``tpu_dist.mesh.register_mesh``) runs a *family program* instead: one program over
+every device of the family, on a mesh ``("g", "x")`` whose rows are the groups, the
+collective over ``"x"`` (XLA's replica groups are the family's groups). The body is the
+same; each rank still passes and gets back only its own block. Every group of the
+family has the same key, so the program is compiled once for all of them. On TPU v5e
+and v6e this is the only way a collective over part of a slice compiles (libtpu
+requires the program to span the slice); on CPU only the group's members take part
+(XLA:CPU makes one communicator per replica group), as with a group's own program.
+
 Programs are built once per :class:`ProgramKey` (op, reduce op, group
 devices, block sizes, dtypes) and kept, in memory by the process's
 :class:`ProgramCache` (the runtime's ``programs``) and on disk for
@@ -53,7 +63,9 @@ from tpu_dist.collectives._types import Kind, ProgramKey
 logger = logging.getLogger(__name__)
 
 AXIS = "x"
-"""The name of the single mesh axis every program runs over."""
+"""The name of the mesh axis every program's collective runs over (the group's ranks)."""
+GROUPS_AXIS = "g"
+"""A family program's outer mesh axis: one row per group of the family."""
 
 
 @dataclass(frozen=True)
@@ -67,10 +79,20 @@ class Program:
     otherwise, or when jaxlib does not offer it."""
 
 
-def mesh_of(devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
-    """The one-axis mesh over ``devices`` and the 1-D sharding along it (not cached)."""
-    mesh = Mesh(np.array(list(devices), dtype=object), (AXIS,))
-    return mesh, NamedSharding(mesh, P(AXIS))
+def mesh_of(devices: Sequence[jax.Device], groups: int = 1) -> tuple[Mesh, NamedSharding]:
+    """The program's mesh over ``devices`` and the 1-D sharding of its blocks (not cached).
+
+    One group: one axis ``"x"``, the group's ranks. A family program of ``groups`` groups:
+    axes ``("g", "x")``, row ``i`` the ``i``-th group (``devices`` lists them group after
+    group), so a collective over ``"x"`` has the family's groups as replica groups; blocks
+    are sharded over both axes, ``devices[j]`` owning block ``j``.
+    """
+    array = np.array(list(devices), dtype=object)
+    if groups == 1:
+        mesh = Mesh(array, (AXIS,))
+        return mesh, NamedSharding(mesh, P(AXIS))
+    mesh = Mesh(array.reshape(groups, -1), (GROUPS_AXIS, AXIS))
+    return mesh, NamedSharding(mesh, P((GROUPS_AXIS, AXIS)))
 
 
 class ProgramCache:
@@ -98,7 +120,8 @@ class ProgramCache:
         self.platform: str | None = None
         """The running runtime's platform, set when JAX starts: only programs for its devices
         go to the on-disk cache (not those of compile-only devices)."""
-        self._meshes: dict[tuple[jax.Device, ...], tuple[Mesh, NamedSharding]] = {}
+        self._meshes: dict[tuple, tuple[Mesh, NamedSharding]] = {}
+        self._by_id: dict[int, jax.Device] = {}
         self._serialized: dict[tuple, _compile_cache.Serialized] = {}
         """CPU programs XLA compiled (never loaded ones: ``_compile_cache``'s doc), serialized,
         by :func:`._compile_cache.placement_key`: the next group of the same size and layout
@@ -106,25 +129,40 @@ class ProgramCache:
         self._lock = threading.Lock()
         self._skip_reasons: set[str] = set()
 
-    def mesh_for(self, devices: Sequence[jax.Device]) -> tuple[Mesh, NamedSharding]:
+    def mesh_for(
+        self, devices: Sequence[jax.Device], groups: int = 1
+    ) -> tuple[Mesh, NamedSharding]:
         """:func:`mesh_of` ``devices``, cached by the device objects, not their ids:
         compile-only TPU devices (:mod:`tpu_dist.collectives.compile_only`) reuse the ids of
         the process's own devices."""
-        ids = tuple(devices)
+        ids = (tuple(devices), groups)
         found = self._meshes.get(ids)
         if found is None:
-            found = self._meshes[ids] = mesh_of(devices)
+            found = self._meshes[ids] = mesh_of(devices, groups)
         return found
 
+    def program_devices(
+        self, key: ProgramKey, devices: Sequence[jax.Device]
+    ) -> Sequence[jax.Device]:
+        """The devices ``key``'s program runs over, given the calling group's ``devices``:
+        those, or for a family program (``key.groups > 1``) every device its key names (the
+        same client's)."""
+        if key.groups == 1:
+            return devices
+        if not self._by_id:
+            self._by_id = {d.id: d for d in devices[0].client.devices()}
+        return [self._by_id[i] for i in key.devices]
+
     def program(self, key: ProgramKey, devices: Sequence[jax.Device]) -> Program:
-        """The compiled program for ``key`` over ``devices``, built on first use."""
+        """The compiled program for ``key`` over ``devices`` (the group's), built on first
+        use."""
         found = self.by_key.get(key)
         if found is not None:
             return found
         with self._lock:
             found = self.by_key.get(key)
             if found is None:
-                compiled = self._load_or_compile(key, devices)
+                compiled = self._load_or_compile(key, self.program_devices(key, devices))
                 found = Program(compiled, _jaxlib.loaded_execute(compiled))
                 self.by_key[key] = found
         return found
@@ -154,7 +192,8 @@ class ProgramCache:
                 _jaxlib.execute_failed(err)
                 found = self.by_key[key] = Program(found.compiled, None)
         with _jaxlib.x64_scope():
-            _, sharding = self.mesh_for(devices)
+            devices = self.program_devices(key, devices)
+            _, sharding = self.mesh_for(devices, key.groups)
             size = len(devices)
             global_args = [
                 jax.make_array_from_single_device_arrays(
@@ -213,9 +252,15 @@ class ProgramCache:
         """Lower and compile ``key``'s program. When XLA really compiled it here and ``keep``
         (it serves other groups, or goes to the on-disk cache), also return it serialized, and
         with ``store`` put it in the on-disk cache."""
-        lowered = lower(key, devices, self.mesh_for(devices))
+        lowered = lower(key, devices, self.mesh_for(devices, key.groups))
         with _jaxlib.x64_scope(), _compile_cache.watch_compile() as watch:
-            compiled = lowered.compile()
+            try:
+                compiled = lowered.compile()
+            except Exception as err:
+                hint = part_of_slice_hint(key, str(err))
+                if hint is None:
+                    raise
+                raise RuntimeError(f"{err}\n{hint}") from err
         kept = None
         platform = devices[0].platform
         if keep and watch.compiled:
@@ -233,8 +278,33 @@ class ProgramCache:
         return compiled, kept
 
 
+_PART_OF_SLICE_ERRORS = (
+    "LogicalDeviceCount",  # v5e: "device assignment should include all slice devices"
+    "kMaxDeviceCount",  # v6e: "Unexpected device_id ... in replica group"
+)
+"""How libtpu 0.0.52 rejects a collective over part of a v5e / v6e slice
+(benchmarks/ISSUE33_NOTES.md, section 1)."""
+
+
+def part_of_slice_hint(key: ProgramKey, message: str) -> str | None:
+    """What to do, when a group's own program (not a family's) failed to compile for TPU
+    because the group is part of a slice (v5e and v6e compile such collectives only as family
+    programs); None for any other failure."""
+    if key.groups != 1 or not any(marker in message for marker in _PART_OF_SLICE_ERRORS):
+        return None
+    return (
+        f"this TPU generation compiles a collective over part of a slice (here a group of "
+        f"{len(key.devices)} devices) only as one program over the whole family of groups it "
+        "belongs to: make the group a mesh dimension (tpu_dist.mesh.init_device_mesh), or "
+        "register a torch DeviceMesh with tpu_dist.mesh.register_mesh(mesh) on every rank; a "
+        "new_group used by only some ranks, and send/recv between two ranks, cannot run on "
+        "v5e, and only on some device sets of v6e"
+    )
+
+
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
-    """The per-block function ``key``'s program runs under ``shard_map`` over ``devices``.
+    """The per-block function ``key``'s program runs under ``shard_map`` over ``devices``
+    (the program's: a family program's body sees one group, ``key.group_size`` ranks).
 
     Raises:
         ValueError: ``key.algorithm`` is None or has no program for ``key.kind``.
@@ -247,7 +317,7 @@ def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
             + "; ".join(f"{a}: {', '.join(sorted(b))}" for a, b in _ALGORITHMS.items())
             + ")."
         )
-    return factory(len(devices), *key.params)
+    return factory(len(devices) // key.groups, *key.params)
 
 
 def lower(
@@ -255,8 +325,9 @@ def lower(
     devices: Sequence[jax.Device],
     mesh: tuple[Mesh, NamedSharding] | None = None,
 ) -> jax.stages.Lowered:
-    """``key``'s program over ``devices``, lowered (not compiled, not cached, not counted);
-    ``mesh``: :func:`mesh_of` ``devices``, if the caller has it.
+    """``key``'s program over ``devices`` (the program's: every device ``key.devices`` names,
+    in that order), lowered (not compiled, not cached, not counted); ``mesh``: :func:`mesh_of`
+    ``devices``, if the caller has it.
 
     Raises:
         TypeError: complex128 blocks on TPU: XLA:TPU has no complex128, and libtpu 0.0.52's
@@ -270,15 +341,16 @@ def lower(
                 "no complex128); use complex64, or view the tensor as float64 pairs "
                 "(torch.view_as_real) for sums."
             )
-    mesh, sharding = mesh if mesh is not None else mesh_of(devices)
+    mesh, sharding = mesh if mesh is not None else mesh_of(devices, key.groups)
     size = len(devices)
     body = body_for(key, devices)
     n_args = len(key.blocks)
+    spec = sharding.spec
     mapped = jax.shard_map(
         body,
         mesh=mesh,
-        in_specs=(P(AXIS),) * n_args,
-        out_specs=(P(AXIS),) * n_args,
+        in_specs=(spec,) * n_args,
+        out_specs=(spec,) * n_args,
         check_vma=False,
     )
     abstract = [

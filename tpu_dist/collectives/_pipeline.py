@@ -257,7 +257,8 @@ class Pipeline:
         mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         key = _plan.program_key(
-            Kind.ALLGATHER, group.device_ids, ((_CALL_BYTES, "uint8"),), (), group.platform
+            Kind.ALLGATHER, group.device_ids, ((_CALL_BYTES, "uint8"),), (), group.platform,
+            group.family, group.device_kind,
         )
         ticket = self._ticket(self._seq + 1, 0)
         arrays = [s.to_jax(mine)]

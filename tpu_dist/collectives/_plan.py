@@ -83,6 +83,13 @@ class GroupView:
     """The group's name (for error messages)."""
     desc: str = ""
     """The group's description (``mesh_<dim>`` for a DeviceMesh dimension's group)."""
+    family: tuple[tuple[int, ...], ...] = ()
+    """The device ids of every group of the group's *family* (this group's row among them),
+    each in group-rank order, when the group is registered as one of the equal groups of a
+    mesh dimension (``tpu_dist.mesh.register_mesh``); empty otherwise. Its collectives then
+    run as family programs (:attr:`ProgramKey.groups`)."""
+    device_kind: str = ""
+    """The devices' ``device_kind`` (``"TPU7x"``, ``"cpu"``); it decides some algorithms."""
 
     @property
     def global_rank(self) -> int:
@@ -174,7 +181,11 @@ def _itemsize(dtype: str) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_algorithm(
-    kind: Kind | str, blocks: tuple[tuple[int, str], ...], params: tuple, platform: str, size: int
+    kind: Kind | str,
+    blocks: tuple[tuple[int, str], ...],
+    params: tuple,
+    platform: str,
+    size: int,
 ) -> Algorithm:
     """The algorithm of ``kind``'s program over ``size`` devices of ``platform``.
 
@@ -240,11 +251,48 @@ def program_key(
     blocks: tuple[tuple[int, str], ...],
     params: tuple,
     platform: str,
+    family: tuple[tuple[int, ...], ...] = (),
+    device_kind: str = "",
 ) -> ProgramKey:
     """The :class:`ProgramKey` of ``kind`` over ``device_ids``, its algorithm chosen by
-    :func:`choose_algorithm` (as the backend chooses it)."""
-    algorithm = choose_algorithm(kind, blocks, params, platform, len(device_ids))
-    return ProgramKey(kind, device_ids, blocks, params, algorithm)
+    :func:`choose_algorithm` (as the backend chooses it).
+
+    With a ``family`` (:attr:`GroupView.family`: the device ids of each of its groups, one of
+    them ``device_ids``) of two or more groups of two or more devices, the key is the family
+    program's: its devices are every group's, group after group, and ``groups`` their number.
+    Every group of the family then has the same key. Kinds whose family program the
+    devices' compiler rejects (:func:`family_program_compiles`) keep the group's own program.
+    """
+    size = len(device_ids)
+    algorithm = choose_algorithm(kind, blocks, params, platform, size)
+    grouped = (
+        len(family) >= 2 and size >= 2
+        and family_program_compiles(kind, algorithm, platform, device_kind)
+    )
+    if not grouped:
+        return ProgramKey(kind, device_ids, blocks, params, algorithm)
+    every = tuple(d for row in family for d in row)
+    return ProgramKey(kind, every, blocks, params, algorithm, len(family))
+
+
+def family_program_compiles(kind: str, algorithm: str, platform: str, device_kind: str) -> bool:
+    """Whether a family program of ``kind`` with ``algorithm`` compiles for these devices.
+
+    Not on TPU7x for XLA's own all-gather and reduce-scatter (and the all-reduces done as an
+    all-gather): libtpu 0.0.52 rejects them in a program over a whole TPU7x slice (``RET_CHECK
+    ... async-update instruction should have 1 operands but sees 2``) whenever it keeps them
+    native (measured on ``tpu7x:4x4x4``: 128 and 1,024 elements a rank fail, 129 and 516,
+    which it rewrites into an all-reduce, compile; on 16x16x16 516 fails too), while a program
+    over the group's own devices compiles for every kind there (benchmarks/ISSUE33_NOTES.md).
+    Everything else compiles as a family program on v5e, v6e, v5p and TPU7x, single- and
+    multi-slice.
+    """
+    if platform == "tpu" and device_kind.startswith("TPU7"):
+        gathers = algorithm == "gather_reduce" or (
+            algorithm == "xla" and kind in (Kind.ALLGATHER, Kind.REDUCE_SCATTER)
+        )
+        return not gathers
+    return True
 
 
 # -- blocks --------------------------------------------------------------------------------
@@ -347,7 +395,9 @@ def _program(
             return whole([e if e is not None else next(it) for e in empties])
 
     meta = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
-    key = program_key(kind, group.device_ids, meta, params, group.platform)
+    key = program_key(
+        kind, group.device_ids, meta, params, group.platform, group.family, group.device_kind
+    )
     return Plan(op, key, tuple(blocks), finish)
 
 

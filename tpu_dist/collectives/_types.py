@@ -89,7 +89,9 @@ class ProgramKey:
     kind: str
     """Which body: a :class:`Kind` (plain strings of its values are accepted and equal)."""
     devices: tuple[int, ...]
-    """JAX device ids of the group, in group-rank order."""
+    """JAX device ids of the program: the group's, in group-rank order; for a family program
+    (``groups > 1``) every group's of the family, group after group, each in group-rank
+    order."""
     blocks: tuple[tuple[int, str], ...]
     """(length, dtype name) of each argument's block."""
     params: tuple = ()
@@ -101,6 +103,19 @@ class ProgramKey:
     :func:`~tpu_dist.collectives._plan.choose_algorithm` chose; None (a key built by hand)
     means "as the backend would choose", which
     :func:`tpu_dist.collectives.compile_only.compile_collective` resolves for its devices."""
+
+    groups: int = 1
+    """How many groups run the program together: 1 for a group's own program over its
+    devices; ``G > 1`` for a *family program*: ``devices`` holds ``G`` groups of equal size
+    that partition them (the groups of one mesh dimension), the collective runs within each
+    group (XLA's replica groups are the family's groups) and each rank passes and gets back
+    only its own block. On TPU v5e and v6e a collective over a part of a slice compiles only
+    this way (benchmarks/ISSUE33_NOTES.md)."""
+
+    @property
+    def group_size(self) -> int:
+        """Devices per group: the collective's size (what the program's body sees)."""
+        return len(self.devices) // self.groups
 
     @property
     def reduce_op(self) -> str | None:

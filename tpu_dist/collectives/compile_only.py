@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpu_dist.collectives import _jaxlib, _lowering, _plan
-from tpu_dist.collectives._lowering import ProgramKey
+from tpu_dist.collectives._lowering import ProgramKey, part_of_slice_hint
 
 if TYPE_CHECKING:
     import jax
@@ -66,6 +66,7 @@ __all__ = [
     "HloCollective",
     "compile_collective",
     "hlo_collectives",
+    "part_of_slice_hint",
     "topology_devices",
 ]
 
@@ -89,7 +90,7 @@ _IOTA_GROUPS_RE = re.compile(
 )
 _PAIRS_RE = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _MEGASCALE_RE = re.compile(
-    r'_xla_megascale_target=(?:"(?P<quoted>[^"]*)"|(?P<braced>\{\{[^}]*\}\}))'
+    r'_xla_megascale_target=(?:"(?P<quoted>[^"]*)"|(?P<braced>\{(?:\{[^}]*\},?)+\}))'
     r'.*?_xla_megascale_transfer_type="(?P<type>[^"]*)"'
 )
 _MEGASCALE_SLICE_STRIDE = 100_000
@@ -119,7 +120,16 @@ class HloCollective:
 
     def megascale_devices(self) -> tuple[int, ...]:
         """The device ids (``jax.Device.id`` of libtpu's multi-slice devices) a transfer between
-        slices joins, in the order printed.
+        slices joins, in the order printed (every group's, for a target of several groups).
+
+        Raises:
+            ValueError: not a transfer between slices, or a target this parser does not know.
+        """
+        return tuple(d for group in self.megascale_groups() for d in group)
+
+    def megascale_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The device ids of each group a transfer between slices joins: one group, or several
+        for a family program's all-to-all (``{{100000,100016},{100004,100020}}``).
 
         Raises:
             ValueError: not a transfer between slices, or a target this parser does not know.
@@ -127,14 +137,16 @@ class HloCollective:
         target = self.megascale_target or ""
         m = re.fullmatch(r"\{([\d,:]*)\}x\{([\d,:]*)\}", target)
         if m is not None:
-            return tuple(
+            return (tuple(
                 s * _MEGASCALE_SLICE_STRIDE + i
                 for s in _id_list(m.group(1))
                 for i in _id_list(m.group(2))
+            ),)
+        if re.fullmatch(r"\{(?:\{[\d,:\->]*\},?)+\}", target):
+            return tuple(
+                _id_list(group.replace("->", ","))
+                for group in re.findall(r"\{([\d,:\->]*)\}", target[1:-1])
             )
-        m = re.fullmatch(r"\{\{([\d,:\->]*)\}\}", target)
-        if m is not None:
-            return _id_list(m.group(1).replace("->", ","))
         raise ValueError(f"cannot read MegaScale target {target!r}")
 
 
@@ -252,8 +264,9 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
     Args:
         key: What the "tpu" backend records for a collective: kind, block sizes and dtypes,
             reduce op / root / permutation (``key.devices`` is not used here: ``devices`` are).
-        devices: The group's devices in group-rank order, e.g. a slice of
-            :func:`topology_devices`. Real TPU devices work too.
+        devices: The program's devices: the group's in group-rank order, e.g. a slice of
+            :func:`topology_devices`; for a family program (``key.groups > 1``) every group's,
+            group after group. Real TPU devices work too.
 
     Returns:
         The compiled program, its HLO text, its collectives and its scratch memory. The program
@@ -268,7 +281,9 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
     """
     if key.algorithm is None:
         platform = devices[0].platform if devices else "tpu"
-        algorithm = _plan.choose_algorithm(key.kind, key.blocks, key.params, platform, len(devices))
+        algorithm = _plan.choose_algorithm(
+            key.kind, key.blocks, key.params, platform, len(devices) // key.groups
+        )
         key = dataclasses.replace(key, algorithm=algorithm)
     lowered = _lowering.lower(key, devices)
     with _jaxlib.x64_scope(), _jaxlib.uncached():

@@ -77,6 +77,10 @@ class CompiledCall:
     """torch's name of the call (``all_reduce``, ``all_gather_into_tensor``, ``send``, ...)."""
     reduce_op: str | None
     group_size: int
+    family_groups: int
+    """How many groups run the program together: 1 for the group's own program, else the
+    number of groups of its family (a mesh dimension's groups, each of ``group_size``: one
+    program over all of them, see :attr:`tpu_dist.collectives.ProgramKey.groups`)."""
     mesh_dim: str | None
     """The DeviceMesh dimension of the group, if it came from a DeviceMesh."""
     crosses_dcn: bool
@@ -144,7 +148,9 @@ class CompileReport:
         rows = []
         for c in self.collectives:
             rows.append((
-                c.op, c.reduce_op or "-", str(c.group_size), c.mesh_dim or "-",
+                c.op, c.reduce_op or "-",
+                str(c.group_size) + (f" x{c.family_groups}" if c.family_groups > 1 else ""),
+                c.mesh_dim or "-",
                 "yes" if c.crosses_dcn else "no", _human_bytes(c.bytes_per_rank), c.dtype,
                 str(c.count), "yes" if c.compiled else "NO",
                 ",".join(c.hlo_collectives) or "-",
@@ -160,13 +166,23 @@ class CompileReport:
             lines.append("(the script issued no collective on a 'tpu' group)")
         for c in self.collectives:
             if not c.compiled:
-                lines.append(f"\nFAILED {c.op} over {c.group_size} devices, first issued at "
+                lines.append(f"\nFAILED {c.op} over {_over(c.group_size, c.family_groups)}, "
+                             "first issued at "
                              f"{c.first_call}:\n  {c.error}")
         lines.append("")
-        lines.append("est/call: message size over the topology model's bus-bandwidth bound "
-                     "(ICI/DCN link speeds) plus ~1 us per ICI hop (tpu_dist.compile_job."
-                     "estimate_seconds); temp: the program's scratch memory on each device.")
+        lines.append("group: the group's size; 'N xG': one program for the G groups of N of its "
+                     "mesh dimension (a family program). est/call: message size over the "
+                     "topology model's bus-bandwidth bound (ICI/DCN link speeds) plus ~1 us per "
+                     "ICI hop (tpu_dist.compile_job.estimate_seconds); temp: the program's "
+                     "scratch memory on each device.")
         return "\n".join(lines)
+
+
+def _over(group_size: int, groups: int) -> str:
+    """``8 devices``, or for a family program ``32 groups of 8 (256 devices)``."""
+    if groups == 1:
+        return f"{group_size} devices"
+    return f"{groups} groups of {group_size} ({groups * group_size} devices)"
 
 
 def _human_bytes(n: int) -> str:
@@ -196,7 +212,12 @@ def _compile_one(key: Any, by_id: Mapping[int, Any]) -> _Outcome:
         ops = tuple(dict.fromkeys(c.op for c in result.collectives))
         return (True, ops, time.monotonic() - t0, result.temp_bytes, None)
     except Exception as err:  # the compiler's own error, reported per program
+        from tpu_dist.collectives.compile_only import part_of_slice_hint
+
         message = " ".join(str(err).split())[:800]
+        hint = part_of_slice_hint(key, str(err))
+        if hint is not None:
+            message = f"{message} ... {hint}"
         return (False, (), time.monotonic() - t0, None, message)
 
 
@@ -320,7 +341,7 @@ def compile_calls(
             state = "ok" if outcome[0] else "FAILED"
             progress(
                 f"tpu-launch --compile-only: [{i}/{len(distinct)}] {key.kind} over "
-                f"{len(key.devices)} devices: {state} in {outcome[2]:.2f} s"
+                f"{_over(key.group_size, key.groups)}: {state} in {outcome[2]:.2f} s"
             )
     finally:
         compiler.close()
@@ -333,6 +354,7 @@ def compile_calls(
             op=call.op,
             reduce_op=call.reduce_op,
             group_size=len(call.group_ranks),
+            family_groups=call.key.groups,
             mesh_dim=call.mesh_dim,
             crosses_dcn=len(slices) > 1,
             bytes_per_rank=call.bytes_per_rank,

@@ -12,7 +12,9 @@ between neighbouring chips and whose outer axes cross DCN; :func:`init_device_me
     mesh = init_device_mesh((2, 4), mesh_dim_names=("dp", "tp"))   # on the running world
 
 CPU-emulated ranks get virtual chips from ``TPU_DIST_TOPOLOGY`` / ``TPU_DIST_NUM_SLICES``
-(see :func:`current_topology`). ``python -m tpu_dist.mesh --help`` prints plans.
+(see :func:`current_topology`). :func:`register_mesh` tells the "tpu" backend that a mesh
+dimension's groups form a family (one program over the family's devices: what TPU v5e and v6e
+need; :func:`init_device_mesh` does it itself). ``python -m tpu_dist.mesh --help`` prints plans.
 :func:`expected_busbw` bounds what a collective over a group can reach on the topology's links
 (the model ``tpu-dist-bench`` and compile-only estimates use); :func:`tpu_attached` says whether
 this host has a TPU (the one answer the launcher and the backend use).
@@ -26,6 +28,7 @@ from tpu_dist.mesh._device_mesh import (
     current_topology,
     init_device_mesh,
     mesh_to_jax,
+    register_mesh,
 )
 from tpu_dist.mesh._bandwidth import BUS_FACTORS, Expectation, bus_factor, expected_busbw
 from tpu_dist.mesh._host import count_local_tpu_chips, tpu_attached, tpu_device_files
@@ -56,6 +59,7 @@ __all__ = [
     "mesh_to_jax",
     "plan_mesh",
     "register_generation",
+    "register_mesh",
     "tpu_attached",
     "tpu_device_files",
 ]

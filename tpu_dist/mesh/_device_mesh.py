@@ -27,6 +27,7 @@ __all__ = [
     "current_topology",
     "init_device_mesh",
     "mesh_to_jax",
+    "register_mesh",
 ]
 
 
@@ -182,10 +183,72 @@ def init_device_mesh(
         )
     names = _check_names(mesh_dim_names, len(tuple(mesh_shape)))
     ranks = plan_mesh(current_topology(dist.get_world_size()), mesh_shape, dcn_mesh_shape)
-    return DeviceMesh.from_group(
+    mesh = DeviceMesh.from_group(
         _groups_in_mesh_order(ranks, names), "cpu", mesh=torch.from_numpy(ranks),
         mesh_dim_names=names,
     )
+    register_mesh(mesh)
+    return mesh
+
+
+def register_mesh(mesh: DeviceMesh) -> None:
+    """Tell the "tpu" backend that each dimension's groups of ``mesh`` form a family, so that
+    their collectives run as one program over the whole family (TPU v5e and v6e compile
+    collectives over part of a slice only so; see ``tpu_dist/ARCHITECTURE.md``).
+
+    :func:`init_device_mesh` does this itself. Call it for a mesh made any other way (torch's
+    ``init_device_mesh("cpu", ...)`` on a "tpu" world, ``DeviceMesh(...)``): on every rank,
+    right after creating the mesh, before its first collective. A dimension whose group is
+    not a "tpu" group (a gloo mesh), or is the whole world, is left as it is. The mesh's
+    groups must be the ones of its dimensions in mesh order (torch's own meshes sort each
+    group's ranks; both forms are recognised).
+
+    Every rank of a family must then call the same collectives on its group at the same points
+    (as DeviceMesh users do): on TPU, every device of a family program takes part in it. On
+    CPU only the group's own ranks take part, as before.
+
+    Raises:
+        ValueError: a dimension's group is not the ranks of this rank's line of ``mesh``
+            along that dimension (in mesh order or sorted).
+    """
+    import torch.distributed as dist
+
+    devices = world_devices()
+    if devices is None:  # no "tpu" default group: nothing to tell
+        return
+    ranks = mesh.mesh.cpu().numpy()
+    for dim in range(ranks.ndim):
+        group = mesh.get_group(dim)
+        backend = _tpu_backend(group)
+        if backend is None:
+            continue
+        lines = np.moveaxis(ranks, dim, -1).reshape(-1, ranks.shape[dim]).tolist()
+        mine = dist.get_process_group_ranks(group)
+        if mine not in lines and mine == sorted(mine):
+            lines = [sorted(line) for line in lines]
+        if mine not in lines:
+            name = (mesh.mesh_dim_names or ())[dim:dim + 1] or (dim,)
+            raise ValueError(
+                f"register_mesh: dimension {name[0]!r}'s group on rank {dist.get_rank()} has "
+                f"ranks {mine}, which is not a line of the mesh along that dimension (the "
+                f"mesh's lines there are like {lines[0]}); register a mesh whose groups are "
+                "its own dimensions' (torch.distributed.device_mesh.init_device_mesh or "
+                "tpu_dist.mesh.init_device_mesh)."
+            )
+        backend.set_family(lines, devices)
+
+
+def _tpu_backend(group: Any) -> Any:
+    """The "tpu" process group behind torch's ``group`` (one with ``set_family``), or None."""
+    if hasattr(group, "set_family"):
+        return group
+    try:
+        import torch
+
+        backend = group._get_backend(torch.device("cpu"))
+    except Exception:  # noqa: BLE001 (no CPU backend: not a "tpu" group)
+        return None
+    return backend if hasattr(backend, "set_family") else None
 
 
 def _groups_in_mesh_order(ranks: np.ndarray, mesh_dim_names: Sequence[str] | None) -> list:
@@ -198,33 +261,33 @@ def _groups_in_mesh_order(ranks: np.ndarray, mesh_dim_names: Sequence[str] | Non
     backend (seen with gloo on torch 2.13: ``[Shard(0), Shard(1)] -> [Replicate(), Shard(0)]``
     on ``[[0, 2, 3, 1], [4, 6, 7, 5]]``). Groups made here keep the mesh's order.
 
-    A rank creates only its own group of each axis (``use_local_synchronization``: members
-    meet, nobody else takes part), so a mesh of N ranks costs each rank one group creation per
-    axis instead of N / size per axis; every rank creates its axes in the same order, so the
-    member-only barriers cannot deadlock. An axis that is the whole world in rank order is
-    the default group, as in torch.
+    Every rank creates every group of every axis, in the same order, as torch's DeviceMesh
+    does: torch then names them from a counter all ranks share, the same on every rank. (A
+    group made with ``use_local_synchronization`` is named from its ranks and how many groups
+    *this rank* belongs to: two members that had joined different numbers of groups before
+    gave it different names and waited for each other forever.) Creating a group this rank
+    is not in costs about 70 us (2,047 of them: 0.14 s). An axis that is the whole world in
+    rank order is the default group, as in torch.
     """
     import torch.distributed as dist
 
-    where = [int(i) for i in np.argwhere(ranks == dist.get_rank())[0]]
+    me = dist.get_rank()
     world = list(range(dist.get_world_size()))
     names = mesh_dim_names or [f"dim_{axis}" for axis in range(ranks.ndim)]
     mine = []
     for axis in range(ranks.ndim):
-        line = list(where)
-        line[axis] = slice(None)
-        fiber = ranks[tuple(line)].tolist()  # this rank's line of the mesh along ``axis``
-        if fiber == world:
+        lines = np.moveaxis(ranks, axis, -1).reshape(-1, ranks.shape[axis]).tolist()
+        if lines == [world]:
             mine.append(dist.group.WORLD)
             continue
-        mine.append(
-            dist.new_group(
-                ranks=fiber,
-                sort_ranks=False,
-                use_local_synchronization=True,
-                group_desc=f"mesh_{names[axis]}",
+        found = None
+        for line in lines:
+            group = dist.new_group(
+                ranks=line, sort_ranks=False, group_desc=f"mesh_{names[axis]}"
             )
-        )
+            if me in line:
+                found = group
+        mine.append(found)
     return mine
 
 

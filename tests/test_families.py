@@ -1,0 +1,245 @@
+"""Family programs on CPU: a mesh dimension's groups run one program over the whole family.
+
+A group registered as one of a family (``tpu_dist.mesh.init_device_mesh`` does it, and
+``tpu_dist.mesh.register_mesh`` for a torch ``DeviceMesh``) runs each collective as one
+program over every device of the family, with the family's groups as replica groups: the
+lowering TPU v5e and v6e need (``tests/test_tpu_compile_families.py`` compiles it for TPU).
+The CPU runs the same programs, so these tests check what TPU runs: every op of both families
+of a (2, 2) mesh on 4 "tpu" ranks, each rank's results equal to what the same body gives on
+gloo, and the programs the "tpu" ranks ran are family programs (``ProgramKey.groups == 2``).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import World
+
+_TPU = {"world_size": 4, "backend": "tpu"}
+
+
+def _ops_on_group(group: dist.ProcessGroup, rank: int, tag: str) -> dict:
+    """Every collective of the backend on ``group``, with values that tell ranks apart; the
+    results by name (compared between "tpu" and gloo)."""
+    ranks = dist.get_process_group_ranks(group)
+    n, me = len(ranks), ranks.index(rank)
+    out: dict = {}
+    for size in (5, 70_000):  # a small exchange, and above the CPU's direct-exchange limit
+        base = torch.arange(size, dtype=torch.float32) + 10 * rank
+        for op in ("SUM", "AVG", "MAX", "PRODUCT") if size == 5 else ("SUM",):
+            t = base.clone() if op != "PRODUCT" else torch.full((size,), 1.0 + rank)
+            dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=group)
+            out[f"{tag}/all_reduce/{op}/{size}"] = t
+        if size == 5:
+            t = (torch.arange(size) * (rank + 1)).to(torch.int64)
+            dist.all_reduce(t, op=dist.ReduceOp.BXOR, group=group)
+            out[f"{tag}/all_reduce/BXOR/int64/{size}"] = t
+        gathered = torch.empty(n * size, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(gathered, base.to(torch.bfloat16), group=group)
+        out[f"{tag}/all_gather/{size}"] = gathered
+        scattered = torch.empty(size)
+        dist.reduce_scatter_tensor(
+            scattered, torch.arange(n * size, dtype=torch.float32) * (rank + 1), group=group
+        )
+        out[f"{tag}/reduce_scatter/{size}"] = scattered
+        if size > 5:
+            continue
+        moved = torch.empty(n * size, dtype=torch.int32)
+        dist.all_to_all_single(
+            moved, torch.arange(n * size, dtype=torch.int32) + 1000 * rank, group=group
+        )
+        out[f"{tag}/all_to_all/{size}"] = moved
+        sent = base.clone()
+        dist.broadcast(sent, ranks[n - 1], group=group)
+        out[f"{tag}/broadcast/{size}"] = sent
+    # Uneven all-to-all (two programs: the widest chunk is agreed first).
+    splits = [me + 1 + j for j in range(n)]  # this rank sends splits[j] elements to rank j
+    recv = [ranks.index(r) + 1 + me for r in ranks]
+    inp = torch.arange(sum(splits), dtype=torch.float32) + 100 * rank
+    uneven = torch.empty(sum(recv))
+    dist.all_to_all_single(uneven, inp, recv, splits, group=group)
+    out[f"{tag}/all_to_all_uneven"] = uneven
+    objects: list = [None] * n
+    dist.all_gather_object(objects, {"rank": rank, "tag": tag}, group=group)
+    out[f"{tag}/all_gather_object"] = objects
+    # Async calls of the group in flight together, then waited on in reverse.
+    works, tensors = [], []
+    for k in range(3):
+        t = torch.full((7,), float(rank + k))
+        works.append(dist.all_reduce(t, group=group, async_op=True))
+        tensors.append(t)
+    for w in reversed(works):
+        w.wait()
+    out[f"{tag}/async"] = tensors
+    # A send and its receive inside the group (a pair's own program, not a family's).
+    if n >= 2:
+        peer = ranks[(me + 1) % n] if me % 2 == 0 else ranks[me - 1]
+        box = torch.full((4,), float(rank))
+        got = torch.empty(4)
+        ops = [dist.P2POp(dist.isend, box, peer, group), dist.P2POp(dist.irecv, got, peer, group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        out[f"{tag}/p2p"] = got
+    dist.barrier(group=group)
+    return out
+
+
+def _program_groups() -> dict:
+    """How many programs of each ``ProgramKey.groups`` this rank built (empty on gloo)."""
+    if dist.get_backend() == "gloo":
+        return {}
+    from tpu_dist.collectives import _runtime
+
+    counts = collections.Counter(k.groups for k in _runtime.get().programs.by_key)
+    return dict(counts)
+
+
+def _tpu_dist_mesh(rank: int, world_size: int) -> dict:
+    from tpu_dist.mesh import init_device_mesh
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    out = {"mesh": mesh.mesh.tolist()}
+    for dim in ("dp", "tp"):
+        out.update(_ops_on_group(mesh.get_group(dim), rank, dim))
+        backend = mesh.get_group(dim)
+        family = getattr(backend, "family", None)
+        out[f"{dim}/family"] = family
+    out["program_groups"] = _program_groups()
+    return out
+
+
+def _torch_mesh_registered(rank: int, world_size: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpu_dist.mesh import register_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    register_mesh(mesh)
+    out = {"mesh": mesh.mesh.tolist()}
+    for dim in ("dp", "tp"):
+        group = mesh.get_group(dim)
+        out[f"{dim}/family"] = getattr(group, "family", None)
+        x = torch.full((3,), float(rank + 1))
+        dist.all_reduce(x, group=group)
+        out[f"{dim}/sum"] = x
+        y = torch.empty(2 * 3)
+        dist.all_gather_into_tensor(y, torch.full((3,), float(rank)), group=group)
+        out[f"{dim}/gathered"] = y
+    out["program_groups"] = _program_groups()
+    return out
+
+
+def _compare(tpu: list[dict], gloo: list[dict]) -> None:
+    for rank, (t, g) in enumerate(zip(tpu, gloo)):
+        assert t["mesh"] == g["mesh"]
+        for name, expected in g.items():
+            if name in ("program_groups",) or name.endswith("/family"):
+                continue
+            got = t[name]
+            if isinstance(expected, torch.Tensor):
+                assert torch.equal(got, expected), (rank, name, got, expected)
+            elif isinstance(expected, list) and expected and isinstance(expected[0], torch.Tensor):
+                for a, b in zip(got, expected):
+                    assert torch.equal(a, b), (rank, name, a, b)
+            else:
+                assert got == expected, (rank, name, got, expected)
+
+
+def test_every_op_of_a_meshs_families_as_gloo(worlds) -> None:
+    tpu = worlds(**_TPU).run(_tpu_dist_mesh, timeout=240)
+    gloo = worlds(4).run(_tpu_dist_mesh, timeout=240)
+    _compare(tpu, gloo)
+    mesh = tpu[0]["mesh"]  # [[0, 2], [1, 3]] on the default v5p 2x2x1: dp pairs columns
+    dp_family = sorted(sorted(mesh[i][j] for i in range(2)) for j in range(2))
+    tp_family = sorted(sorted(row) for row in mesh)
+    for rank, result in enumerate(tpu):
+        assert sorted(map(sorted, result["dp/family"])) == dp_family, result["dp/family"]
+        assert sorted(map(sorted, result["tp/family"])) == tp_family, result["tp/family"]
+        # The mesh's collectives ran as family programs; the others (the pairs of p2p, the
+        # default group's) as a group's own.
+        assert result["program_groups"].get(2, 0) >= 10, result["program_groups"]
+
+
+def test_a_torch_device_mesh_registered_runs_family_programs(worlds) -> None:
+    tpu = worlds(**_TPU).run(_torch_mesh_registered, timeout=120)
+    gloo = worlds(4).run(_torch_mesh_registered, timeout=120)
+    _compare(tpu, gloo)
+    for result in tpu:
+        # torch's DeviceMesh sorts each group's ranks; the family follows.
+        assert result["dp/family"] == [[0, 2], [1, 3]], result["dp/family"]
+        assert result["tp/family"] == [[0, 1], [2, 3]], result["tp/family"]
+        assert result["program_groups"].get(2, 0) >= 2, result["program_groups"]
+
+
+def _mesh_after_a_group_some_ranks_joined(rank: int, world_size: int) -> dict:
+    from tpu_dist.mesh import init_device_mesh
+
+    # Every rank calls new_group([0, 1]); only ranks 0 and 1 are its members, so they now
+    # belong to one more group than ranks 2 and 3.
+    pair = dist.new_group([0, 1])
+    if rank in (0, 1):
+        t = torch.ones(1)
+        dist.all_reduce(t, group=pair)
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for dim in ("dp", "tp"):
+        group = mesh.get_group(dim)
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        out[dim] = (sorted(dist.get_process_group_ranks(group)), t.item())
+    return out
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gloo"])
+def test_init_device_mesh_after_a_group_only_some_ranks_joined(worlds, backend: str) -> None:
+    # The mesh's groups used to be named from each rank's own count of groups: ranks 1 and 3
+    # (a dp group) named theirs differently and waited for each other until the timeout.
+    world = worlds(**_TPU) if backend == "tpu" else worlds(4)
+    results = world.run(_mesh_after_a_group_some_ranks_joined, timeout=60)
+    for rank, result in enumerate(results):
+        for dim, (ranks, total) in result.items():
+            assert rank in ranks and total == float(sum(ranks)), (rank, dim, ranks, total)
+
+
+def _bad_families(rank: int, world_size: int) -> list[str]:
+    from tpu_dist.collectives import global_devices
+    from tpu_dist.mesh import init_device_mesh
+
+    mesh = init_device_mesh((2, 2), mesh_dim_names=("dp", "tp"))
+    group = mesh.get_group("tp")
+    mine = dist.get_process_group_ranks(group)
+    others = [r for r in range(4) if r not in mine]
+    devices = global_devices()
+    errors = []
+    for family in (
+        [others],  # not this group's
+        [mine, others[:1]],  # sizes differ
+        [mine, [mine[0], others[0]]],  # a rank twice
+        [list(reversed(mine)), others],  # this group's ranks, in another order
+    ):
+        try:
+            group.set_family(family, devices)
+        except ValueError as err:
+            errors.append(str(err))
+    # Nothing changed: still the family init_device_mesh registered, and it still works.
+    t = torch.tensor([1.0])
+    dist.all_reduce(t, group=group)
+    errors.append(f"family {group.family} sum {t.item()}")
+    return errors
+
+
+def test_set_family_refuses_a_family_that_is_not_the_groups(worlds) -> None:
+    results = worlds(**_TPU).run(_bad_families, timeout=60)
+    for errors in results:
+        assert len(errors) == 5, errors
+        assert "none of them is this group's ranks" in errors[0]
+        assert "their sizes differ ([1, 2])" in errors[1]
+        assert "a rank is in two of them" in errors[2]
+        assert "none of them is this group's ranks" in errors[3]
+        for message in errors[:4]:
+            assert "Pass every group of one mesh dimension" in message
+        assert errors[4].endswith("sum 2.0") and "[[" in errors[4], errors[4]
