@@ -109,6 +109,19 @@ def _tpu_dist_mesh(rank: int, world_size: int) -> dict:
         family = getattr(backend, "family", None)
         out[f"{dim}/family"] = family
     out["program_groups"] = _program_groups()
+    if dist.get_backend() != "gloo":
+        # JAX's public call (global arrays of every family device, this rank's block taken
+        # back out), which the backend falls back to if jaxlib's direct execute goes away.
+        from tpu_dist.collectives import _lowering, _runtime
+
+        cache = _runtime.get().programs
+        for key, program in list(cache.by_key.items()):
+            if key.groups > 1:
+                cache.by_key[key] = _lowering.Program(program.compiled, None)
+    for dim in ("dp", "tp"):
+        t = torch.arange(5.0) + rank
+        dist.all_reduce(t, group=mesh.get_group(dim))
+        out[f"{dim}/public_path"] = t
     return out
 
 

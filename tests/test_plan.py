@@ -276,22 +276,21 @@ def test_a_familys_groups_share_one_family_program() -> None:
     )
 
 
-def test_tpu7x_keeps_a_groups_own_program_for_xlas_gathers_and_scatters() -> None:
-    # libtpu 0.0.52 rejects XLA's native all-gather / reduce-scatter in a program over a whole
-    # TPU7x slice; the group's own program compiles there. Other kinds, and other
-    # generations, run the family program.
+def test_family_programs_on_cpu_v5e_and_v6e_only() -> None:
+    # The CPU, and the TPU generations that compile collectives over part of a slice only in a
+    # whole-slice program (v5e, v6e), run family programs; v4, v5p and TPU7x keep each group's
+    # own (it compiles there, and faster); a TPU device kind tpu_dist does not know gets the
+    # family program.
     family = ((0, 1), (2, 3))
     f32 = ((8, "float32"),)
-    def key(kind: str, params: tuple, device_kind: str) -> ProgramKey:
-        return _plan.program_key(kind, (0, 1), f32, params, "tpu", family, device_kind)
-
-    for kind, params in (("allgather", ()), ("reduce_scatter", ("SUM",)),
-                         ("allreduce", ("PRODUCT",))):
-        assert key(kind, params, "TPU7x").groups == 1, kind
-        assert key(kind, params, "TPU v6 lite").groups == 2, kind
-    assert key("allreduce", ("SUM",), "TPU7x").groups == 2
-    assert key("alltoall", (), "TPU7x").groups == 2
-    assert key("reduce_scatter", ("MAX",), "TPU7x").groups == 2  # an exchange: all-to-all
+    for platform, kind, groups in (
+        ("cpu", "cpu", 2), ("tpu", "TPU v5 lite", 2), ("tpu", "TPU v6 lite", 2),
+        ("tpu", "TPU v5", 1), ("tpu", "TPU v4", 1), ("tpu", "TPU7x", 1), ("tpu", "TPU v9", 2),
+    ):
+        for op, params in (("allgather", ()), ("allreduce", ("SUM",)), ("alltoall", ())):
+            key = _plan.program_key(op, (0, 1), f32, params, platform, family, kind)
+            assert key.groups == groups, (kind, op, key)
+            assert key.devices == ((0, 1, 2, 3) if groups == 2 else (0, 1)), key
 
 
 def test_plans_carry_the_algorithm_of_their_platform() -> None:

@@ -8,7 +8,8 @@ instead: one program over every device of the family, whose replica groups are t
 groups (``ProgramKey.groups``). Here the backend's own plans (``_plan`` functions on a
 ``GroupView`` with the family, as a "tpu" group makes them) are compiled over libtpu's
 compile-only devices, for the dimensions of ``plan_mesh`` layouts, and the compiled HLO's
-replica groups, mapped back to ranks, must be exactly the family's groups:
+replica groups, mapped back to ranks, must be exactly the family's groups (on v5p and TPU7x,
+where the backend keeps each group's own program, the group's):
 
 * one slice: every in-slice collective's groups equal the family's;
 * several slices: the in-slice collective lists each group's part in one slice (positions
@@ -158,14 +159,13 @@ def test_family_programs_compile_with_the_familys_groups(
     plans = _plans(_view(family, devices))
     for name in kinds or plans:
         key = plans[name].key
-        if gen == "tpu7x" and name in ("all_gather", "all_reduce f32 PRODUCT"):
-            # XLA's all-gather does not compile in a whole-slice TPU7x program: the group's
-            # own program, whose groups are the group.
-            assert key.groups == 1, key
+        if gen in ("v5p", "tpu7x"):
+            # These compile a group's own program at any scale: the backend keeps it there.
+            assert key.groups == 1 and key.devices == tuple(devices[r].id for r in family[0])
             seen = _check(key, family[:1], devices, topo)
-            continue
-        assert key.groups == len(family) and key.group_size == len(family[0]), key
-        seen = _check(key, family, devices, topo)
+        else:
+            assert key.groups == len(family) and key.group_size == len(family[0]), key
+            seen = _check(key, family, devices, topo)
         if slices > 1:
             assert "dcn" in seen, (name, seen)
 

@@ -260,14 +260,15 @@ def program_key(
     With a ``family`` (:attr:`GroupView.family`: the device ids of each of its groups, one of
     them ``device_ids``) of two or more groups of two or more devices, the key is the family
     program's: its devices are every group's, group after group, and ``groups`` their number.
-    Every group of the family then has the same key. Kinds whose family program the
-    devices' compiler rejects (:func:`family_program_compiles`) keep the group's own program.
+    Every group of the family then has the same key. Where family programs are not used
+    (:func:`uses_family_program`: TPU generations other than v5e and v6e) the key is the
+    group's own.
     """
     size = len(device_ids)
     algorithm = choose_algorithm(kind, blocks, params, platform, size)
     grouped = (
         len(family) >= 2 and size >= 2
-        and family_program_compiles(kind, algorithm, platform, device_kind)
+        and uses_family_program(kind, algorithm, platform, device_kind)
     )
     if not grouped:
         return ProgramKey(kind, device_ids, blocks, params, algorithm)
@@ -275,24 +276,36 @@ def program_key(
     return ProgramKey(kind, every, blocks, params, algorithm, len(family))
 
 
-def family_program_compiles(kind: str, algorithm: str, platform: str, device_kind: str) -> bool:
-    """Whether a family program of ``kind`` with ``algorithm`` compiles for these devices.
+def uses_family_program(kind: str, algorithm: str, platform: str, device_kind: str) -> bool:
+    """Whether a family's group runs ``kind`` as a family program on these devices.
 
-    Not on TPU7x for XLA's own all-gather and reduce-scatter (and the all-reduces done as an
-    all-gather): libtpu 0.0.52 rejects them in a program over a whole TPU7x slice (``RET_CHECK
-    ... async-update instruction should have 1 operands but sees 2``) whenever it keeps them
-    native (measured on ``tpu7x:4x4x4``: 128 and 1,024 elements a rank fail, 129 and 516,
-    which it rewrites into an all-reduce, compile; on 16x16x16 516 fails too), while a program
-    over the group's own devices compiles for every kind there (benchmarks/ISSUE33_NOTES.md).
-    Everything else compiles as a family program on v5e, v6e, v5p and TPU7x, single- and
-    multi-slice.
+    * CPU: always (XLA:CPU makes one communicator per replica group, so only the group's own
+      ranks take part, as with its own program; the CPU then runs what v5e and v6e run).
+    * TPU generations whose compiler needs collectives to span the slice
+      (``Generation.collectives_span_slice``: v5e, v6e), and TPU devices of a kind
+      ``tpu_dist.mesh`` does not know: always.
+    * Other TPU generations (v4, v5p, TPU7x): never. The group's own program compiles there for
+      every kind at any scale, and the family program costs more for nothing: over
+      ``tpu7x:16x16x16`` (8,192 devices) the family programs of the FSDP2 x TP example took
+      25-52 s each to compile against 2-4 s for the groups' own, in the same run; and on TPU7x
+      libtpu 0.0.52 rejects XLA's own all-gather and reduce-scatter inside a whole-slice
+      program (``RET_CHECK ... async-update instruction should have 1 operands but sees 2``)
+      whenever it keeps them native (benchmarks/README.md, E41).
     """
-    if platform == "tpu" and device_kind.startswith("TPU7"):
-        gathers = algorithm == "gather_reduce" or (
-            algorithm == "xla" and kind in (Kind.ALLGATHER, Kind.REDUCE_SCATTER)
-        )
-        return not gathers
-    return True
+    if platform != "tpu":
+        return True
+    generation = _generation_of(device_kind)
+    return generation is None or generation.collectives_span_slice
+
+
+@functools.lru_cache(maxsize=64)
+def _generation_of(device_kind: str):  # -> tpu_dist.mesh.Generation | None
+    from tpu_dist.mesh import generations
+
+    for generation in generations().values():
+        if device_kind in generation.device_kinds:
+            return generation
+    return None
 
 
 # -- blocks --------------------------------------------------------------------------------

@@ -138,6 +138,13 @@ class Generation:
     :attr:`hbm_bytes_per_s_per_device`."""
     compute_source: str = ""
     """Where the three compute and memory figures above come from (a Cloud TPU docs page)."""
+    collectives_span_slice: bool = False
+    """Whether the TPU compiler compiles a collective over part of a slice only inside a
+    program over the whole slice (libtpu 0.0.52 on v5e: ``device assignment should include all
+    slice devices``, "limited ICI routing"; on v6e: ``Unexpected device_id ... in replica
+    group`` for many groups). The "tpu" backend then runs a mesh dimension's collectives as
+    family programs (``tpu_dist.collectives.ProgramKey.groups``). Measured with libtpu's
+    compile-only devices: benchmarks/ISSUE33_NOTES.md."""
 
     def __post_init__(self) -> None:
         if self.torus_ndim not in (2, 3):
@@ -424,6 +431,7 @@ V4 = register_generation(
 V5E = register_generation(
     Generation(
         name="v5e",
+        collectives_span_slice=True,
         aliases=("v5lite",),
         device_kind="TPU v5 lite",
         other_device_kinds=("TPU v5e",),  # jax/_src/mesh_utils.py knows this spelling too
@@ -497,6 +505,7 @@ V5P = register_generation(
 V6E = register_generation(
     Generation(
         name="v6e",
+        collectives_span_slice=True,
         aliases=("trillium",),
         device_kind="TPU v6 lite",
         libtpu_name="v6e",
