@@ -253,6 +253,7 @@ _NAMES = textwrap.dedent(
     base = ProgramKey("allreduce", (0, 1), ((8, "float32"),), ("SUM",), "exchange")
     changed = {
         "kind": "allgather", "blocks": ((9, "float32"),), "params": ("MAX",), "algorithm": "xla",
+        "groups": 2,  # a family program of two groups of one over the same two devices
     }
     assert set(changed) | {"devices"} == {f.name for f in dataclasses.fields(ProgramKey)}, (
         "a new field")
@@ -268,7 +269,8 @@ _NAMES = textwrap.dedent(
 
 def test_every_field_of_the_program_key_names_its_own_entry() -> None:
     """Two programs that differ in any field of their key (the algorithm too: an exchange and
-    XLA's all-reduce of the same blocks) or in their group's size must never share a cache
+    XLA's all-reduce of the same blocks; the number of groups of a family program) or in their
+    group's size must never share a cache
     entry; on CPU, groups of the same size and layout on other devices do (one process's
     devices here: [3, 1] finds [0, 1]'s entry, loaded onto its own devices)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
@@ -279,7 +281,7 @@ def test_every_field_of_the_program_key_names_its_own_entry() -> None:
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT"):])
     names = out["names"]
-    assert len(names) == 6 and len(set(names)) == 6, names
+    assert len(names) == 7 and len(set(names)) == 7, names
     assert out["other_devices"] == names[:1]
 
 

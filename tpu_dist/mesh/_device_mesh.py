@@ -160,7 +160,9 @@ def init_device_mesh(
 
     Each tp group is a ring over one host's 2x2 chips, chips (0,0) (0,1) (1,1) (1,0) (one hop
     each step); dp pairs the two hosts along z. A rank that passes other arguments, or does not
-    call, hangs or fails in the process-group creation of torch's ``DeviceMesh``.
+    call, hangs or fails in the process-group creation of torch's ``DeviceMesh``. Each axis's
+    groups are registered as a family (:func:`register_mesh`): on a "tpu" world their
+    collectives run as one program over the whole family.
 
     Args:
         mesh_shape: The mesh; with ``dcn_mesh_shape``, the mesh inside one slice.
