@@ -21,13 +21,15 @@ from pathlib import Path
 import pytest
 
 from tests.launch_worker import REPO, clean_env, run_launcher
+from tpu_dist import _settings
 from tpu_dist.launch import _zygote
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
 
 _STATE = textwrap.dedent(
     """
-    import faulthandler, json, os, signal, sys
+    import faulthandler, json, os, random, signal, sys
+    import numpy
     main = sys.modules["__main__"]
     state = {
         "argv": sys.argv,
@@ -48,6 +50,7 @@ _STATE = textwrap.dedent(
         "faulthandler": faulthandler.is_enabled(),
         "tpu_dist_modules": sorted(m for m in sys.modules if m.startswith("tpu_dist")),
         "torch_preloaded": "torch" in sys.modules,
+        "draws": [random.random(), float(numpy.random.random())],
     }
     with open(os.path.join(sys.argv[1], os.environ["LOCAL_RANK"] + ".json"), "w") as f:
         json.dump(state, f)
@@ -72,7 +75,7 @@ def _job(tmp_path: Path, name: str, preload: bool, stdin: int | None = None) -> 
     script, out = tmp_path / "state.py", tmp_path / name
     script.write_text(_STATE)
     out.mkdir()
-    env = {} if preload else {_zygote.DISABLE_VAR: "0"}
+    env = {} if preload else {_settings.LAUNCH_PRELOAD.env: "0"}
     code, stdout, stderr = run_launcher(
         ["--nproc-per-node", "2", str(script), str(out)], env=env, timeout=240
     )
@@ -92,6 +95,9 @@ def _job(tmp_path: Path, name: str, preload: bool, stdin: int | None = None) -> 
 def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
     forked = _job(tmp_path, "forked", preload=True)
     fresh = _job(tmp_path, "fresh", preload=False)
+    for job in (forked, fresh):  # each rank draws its own random numbers
+        first, second = job[0].pop("draws"), job[1].pop("draws")
+        assert first[0] != second[0] and first[1] != second[1], (first, second)
     for rank in (0, 1):
         assert forked[rank]["torch_preloaded"] is True  # the zygote was used
         assert fresh[rank]["torch_preloaded"] is False
@@ -103,7 +109,8 @@ def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
 
 
 def _zygote_env() -> dict[str, str]:
-    return clean_env({"OMP_NUM_THREADS": "1"})  # numpy's BLAS pool: one thread, none started
+    # numpy's BLAS pool: one thread, none started; the launcher's pid, as tpu-launch exports it
+    return clean_env({"OMP_NUM_THREADS": "1", "TPU_DIST_LAUNCH_PID": str(os.getpid())})
 
 
 def test_forked_process_reports_exit_codes_and_signals_as_popen_does(tmp_path: Path) -> None:
@@ -121,7 +128,7 @@ def test_forked_process_reports_exit_codes_and_signals_as_popen_does(tmp_path: P
     )
     try:
         def start(what: str) -> _zygote.ForkedProcess:
-            env = dict(_zygote_env(), LOCAL_RANK="0", TPU_DIST_LAUNCH_PID=str(os.getpid()))
+            env = dict(_zygote_env(), LOCAL_RANK="0")
             args = [sys.executable, "-u", worker, "python", str(script), what]
             with open(tmp_path / f"{what}.err", "w") as err:
                 proc = zygote.spawn(args, env, None, err)
@@ -140,6 +147,26 @@ def test_forked_process_reports_exit_codes_and_signals_as_popen_does(tmp_path: P
         assert sleeper.wait(60) == -signal.SIGTERM
         # Not a worker command (numactl in front, another interpreter): not forked.
         assert zygote.spawn(["numactl", "-N", "0", sys.executable], {}, None, None) is None
+        # A variable the preloaded modules could have read at import differs: not forked.
+        env = dict(_zygote_env(), LOCAL_RANK="0", XLA_FLAGS="--xla_dump_to=/tmp/x")
+        args = [sys.executable, "-u", worker, "python", str(script), "exit"]
+        assert zygote.spawn(args, env, None, None) is None
+        assert zygote.why_not == "the worker's environment differs from the zygote's in XLA_FLAGS"
     finally:
         zygote.close()
     assert zygote.proc.returncode == 0  # it ends when the launcher closes the socket
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="numpy's BLAS starts no thread on one core")
+def test_a_zygote_with_threads_is_not_used() -> None:
+    """numpy's BLAS starts its thread pool at import unless OMP_NUM_THREADS=1: forking then is
+    not safe, and the zygote says so before it imports torch and JAX."""
+    env = {k: v for k, v in _zygote_env().items() if k not in ("OMP_NUM_THREADS",
+                                                                "OPENBLAS_NUM_THREADS")}
+    zygote = _zygote.Zygote(sys.executable, env)
+    worker = os.path.join(REPO, "tpu_dist", "launch", "_worker.py")
+    try:
+        assert zygote.spawn([sys.executable, "-u", worker, "python", "x.py"], env, None, None) is None
+        assert zygote.why_not is not None and "threads after importing numpy" in zygote.why_not
+    finally:
+        zygote.close()

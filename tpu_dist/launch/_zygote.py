@@ -22,9 +22,12 @@ started with ``python -u _worker.py MODE TARGET ARGS``, with the same
 
 What differs: the modules of :data:`PRELOAD` are imported before the worker's own environment is
 applied, so a variable they read *at import* takes the value the launcher had when it started
-the zygote (the same for every worker of the job: elastic's per-worker variables, ``RANK``,
-``MASTER_PORT``, ``TORCHELASTIC_*`` and the attempt's ``TPU_DIST_*`` are read later, by
-``init_process_group``). ``TPU_DIST_LAUNCH_PRELOAD=0`` turns the zygote off (every worker a
+the zygote; a worker whose environment differs from the zygote's in any variable but those read
+later (:data:`LATE_VARS`: elastic's per-worker ``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_*``, the
+attempt's ``TPU_DIST_*``) is started fresh instead. Python's string hash seed is the zygote's,
+the same in every worker (a fresh interpreter draws its own unless ``PYTHONHASHSEED`` is set);
+Python's ``random`` and numpy's global generator are reseeded from the OS in each worker, as a
+fresh interpreter seeds them. ``TPU_DIST_LAUNCH_PRELOAD=0`` turns the zygote off (every worker a
 fresh interpreter, as before). Used only on Linux, for the ``python`` and ``module`` entries
 (not ``--no-python`` or ``--run-path``), when the worker command is this interpreter; a zygote
 that cannot start, preloads nothing or started a thread (a fork would not be safe) is not
@@ -49,11 +52,31 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-PRELOAD = ("torch", "torch.distributed", "jax")
-"""What the zygote imports before it forks workers."""
+PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
+"""What the zygote imports before it forks workers, in this order. numpy first: its BLAS starts
+a pool of threads at import unless ``OMP_NUM_THREADS`` (or ``OPENBLAS_NUM_THREADS``) is 1
+(tpu-launch sets 1 for several workers per host, as torchrun does), and a zygote with threads
+is not used: it says so before it spends seconds on the rest."""
 
-DISABLE_VAR = "TPU_DIST_LAUNCH_PRELOAD"
-"""``0``: no zygote; every worker is a fresh interpreter."""
+LATE_VARS = frozenset({
+    # torch.distributed.elastic's, per worker and attempt (torchrun's own list)
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+})
+"""Variables a forked worker's environment may differ in from the zygote's: read only after
+the worker starts (by ``init_process_group``, elastic's error handler), never while
+:data:`PRELOAD` is imported; also tpu-launch's per-attempt ``TPU_DIST_LAUNCH_ATTEMPT`` and
+``TPU_DIST_COORDINATION_SERVICE`` (read by tpu_dist's runtime). A worker whose environment
+differs in any other variable is not forked (:meth:`Zygote.spawn`)."""
+
+
+def _late_vars() -> frozenset[str]:
+    from tpu_dist import _settings  # in the launcher only (this file runs by path in the zygote)
+
+    return LATE_VARS | {_settings.LAUNCH_ATTEMPT.env, _settings.COORDINATION_SERVICE.env}
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -167,6 +190,8 @@ class Zygote:
 
     def __init__(self, python: str, env: Mapping[str, str]) -> None:
         self.python = python
+        self.env = dict(env)
+        """The environment the zygote imported :data:`PRELOAD` in."""
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
@@ -208,6 +233,15 @@ class Zygote:
             or os.path.abspath(args[2]) != worker
         ):
             return None
+        late = _late_vars()
+        differ = sorted(
+            k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k not in late
+        )
+        if differ:
+            self.why_not = (
+                f"the worker's environment differs from the zygote's in {', '.join(differ)}"
+            )
+            return None
         if not self._check_ready():
             return None
         fds = [
@@ -248,9 +282,14 @@ class Zygote:
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether workers fork from a zygote (Linux, and ``TPU_DIST_LAUNCH_PRELOAD`` not ``0``)."""
-    env = os.environ if environ is None else environ
-    return sys.platform.startswith("linux") and env.get(DISABLE_VAR, "1").strip() != "0"
+    """Whether workers fork from a zygote: on Linux, unless ``TPU_DIST_LAUNCH_PRELOAD=0``.
+
+    Raises:
+        ValueError: ``TPU_DIST_LAUNCH_PRELOAD`` is not a switch.
+    """
+    from tpu_dist import _settings
+
+    return sys.platform.startswith("linux") and _settings.LAUNCH_PRELOAD.get(environ)
 
 
 # -- the zygote's side -----------------------------------------------------------------------
@@ -270,16 +309,20 @@ def _serve(fd: int, launcher: int) -> list[str]:
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != launcher:
         os._exit(0)
-    loaded = []
+    loaded, why = [], None
     for name in PRELOAD:
         try:
             __import__(name)
             loaded.append(name)
         except ImportError:
-            pass
-    threads = _threads()
-    if not loaded or threads != 1:
-        why = "no module of PRELOAD imports" if not loaded else f"{threads} threads after import"
+            continue
+        threads = _threads()
+        if threads != 1:
+            why = f"{threads} threads after importing {name} (a fork would not be safe)"
+            break
+    if why is None and not loaded:
+        why = f"none of {', '.join(PRELOAD)} imports"
+    if why is not None:
         _send(sock, json.dumps({"ok": False, "why": why}).encode())
         os._exit(0)
     _send(sock, json.dumps({"ok": True, "loaded": loaded}).encode())
@@ -362,6 +405,11 @@ def _become_worker(sock: socket.socket, request: dict[str, Any], fds: list[int])
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # A fresh interpreter seeds numpy's global generator from the OS at import; forked, every
+    # worker would draw the zygote's numbers (Python's `random` reseeds itself after a fork).
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def _load_worker_entry() -> Any:
