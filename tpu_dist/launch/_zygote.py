@@ -199,6 +199,10 @@ class Zygote:
                 env=dict(env),
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
+                # Not in the launcher's process group: a Ctrl-C at the terminal reaches the
+                # launcher (which stops its workers), not the zygote (which would print a
+                # KeyboardInterrupt); it ends with the launcher.
+                start_new_session=True,
             )
         finally:
             theirs.close()
