@@ -22,18 +22,20 @@ directory), "tpu (warm)" with the cache the cold run filled: a restarted job, or
 
 ``--felt`` measures instead what a user feels (issue 35, item 4): a job that initialises, does
 one all_reduce of 4 KiB and exits, started by ``torchrun`` with gloo and by ``tpu-launch`` with
-"tpu", alternating (A B, B A, ...) for ``--repeat`` rounds, with a warm compile cache (the first job of
-the run fills it and is not counted)::
+"tpu", alternating (A B, B A, ...) for ``--repeat`` rounds, with a warm compile cache (the first
+job of the run fills it and is not counted)::
 
     python benchmarks/startup.py --felt --repeat 4
     python benchmarks/startup.py --felt --repeat 4 --kinds gloo,tpu,tpu-fresh
 
 Per job: its wall time, from just before the launcher command starts to its exit; per rank,
-from the rank's process start (``/proc/self/stat``) to its first collective done, split into
-the interpreter's own start (to the first line of the script), ``import`` (torch, and tpu_dist
-for "tpu"), ``init_process_group`` and the first ``all_reduce``; and from the launcher's start
-to the rank's process start (the launcher's own start-up). Medians over rounds of the slowest
-rank; the ratio tpu/gloo of each; and the load average before and after.
+from the rank's process start (``/proc/self/stat``; for a worker tpu-launch forked from its
+zygote, the fork) to its first collective done, split into the interpreter's own start (to the
+script's first line), ``import`` (torch, and tpu_dist for "tpu"), ``init_process_group`` and the
+first ``all_reduce``; and from the launcher's start to the rank's process start (the launcher's
+own start-up, and for forked workers the zygote's imports). Medians over the jobs of the slowest
+rank; the ratio of each to the first kind's; the 1-minute load average at each job's start.
+``tpu-fresh`` is tpu-launch with ``TPU_DIST_LAUNCH_PRELOAD=0``: every worker a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -176,7 +178,10 @@ def run_felt(kind: str, nproc: int, env: dict[str, str]) -> dict[str, float]:
             capture_output=True, text=True, timeout=600,
         )
         wall = time.time() - t0
-        rows = [json.loads(line) for line in open(out)] if os.path.exists(out) else []
+        rows = []
+        if os.path.exists(out):
+            with open(out) as f:
+                rows = [json.loads(line) for line in f]
         if proc.returncode != 0 or len(rows) != nproc:
             raise RuntimeError(f"{kind} job failed ({proc.returncode}, {len(rows)} of {nproc} "
                                f"ranks wrote marks):\n{proc.stderr[-3000:]}")

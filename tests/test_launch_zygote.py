@@ -166,7 +166,8 @@ def test_a_zygote_with_threads_is_not_used() -> None:
     zygote = _zygote.Zygote(sys.executable, env)
     worker = os.path.join(REPO, "tpu_dist", "launch", "_worker.py")
     try:
-        assert zygote.spawn([sys.executable, "-u", worker, "python", "x.py"], env, None, None) is None
+        args = [sys.executable, "-u", worker, "python", "x.py"]
+        assert zygote.spawn(args, env, None, None) is None
         assert zygote.why_not is not None and "threads after importing numpy" in zygote.why_not
     finally:
         zygote.close()

@@ -30,13 +30,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tpu_dist import _settings
-from tpu_dist.launch import _worker
+from tpu_dist.launch import _worker, _zygote
 from tpu_dist.launch._chips import placement
 from tpu_dist.launch._config import DEFAULT_MASTER_PORT, LaunchSpec
 from tpu_dist.launch._env import WorkerEnv, compute_worker_env, elastic_vars
 from tpu_dist.launch._preflight import Problem
 from tpu_dist.launch._watch import JobWatch
-from tpu_dist.launch import _zygote
 
 __all__ = ["DEFAULT_LOG_LINE_PREFIX", "elastic_config", "format_dry_run", "format_failure", "launch"]
 

@@ -52,6 +52,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+__all__ = ["LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "enabled"]
+
 PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
 """What the zygote imports before it forks workers, in this order. numpy first: its BLAS starts
 a pool of threads at import unless ``OMP_NUM_THREADS`` (or ``OPENBLAS_NUM_THREADS``) is 1
@@ -74,7 +76,8 @@ differs in any other variable is not forked (:meth:`Zygote.spawn`)."""
 
 
 def _late_vars() -> frozenset[str]:
-    from tpu_dist import _settings  # in the launcher only (this file runs by path in the zygote)
+    # Imported here, in the launcher: this file runs by path in the zygote.
+    from tpu_dist import _settings
 
     return LATE_VARS | {_settings.LAUNCH_ATTEMPT.env, _settings.COORDINATION_SERVICE.env}
 
@@ -291,7 +294,7 @@ def enabled(environ: Mapping[str, str] | None = None) -> bool:
     Raises:
         ValueError: ``TPU_DIST_LAUNCH_PRELOAD`` is not a switch.
     """
-    from tpu_dist import _settings
+    from tpu_dist import _settings  # in the launcher, as in _late_vars
 
     return sys.platform.startswith("linux") and _settings.LAUNCH_PRELOAD.get(environ)
 
