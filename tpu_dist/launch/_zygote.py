@@ -27,7 +27,10 @@ later (:data:`LATE_VARS`: elastic's per-worker ``RANK``, ``MASTER_PORT``, ``TORC
 attempt's ``TPU_DIST_*``) is started fresh instead. Python's string hash seed is the zygote's,
 the same in every worker (a fresh interpreter draws its own unless ``PYTHONHASHSEED`` is set);
 Python's ``random`` and numpy's global generator are reseeded from the OS in each worker, as a
-fresh interpreter seeds them. ``TPU_DIST_LAUNCH_PRELOAD=0`` turns the zygote off (every worker a
+fresh interpreter seeds them. With ``TPU_DIST_DEFAULT_FOR_CPU=1`` (``--default-for-cpu``),
+torch's import runs tpu_dist's ``torch.backends`` hook, which imports tpu_dist: in the zygote,
+so its notice that it became the default CPU backend is printed once (by the zygote, without a
+``[rankN]:`` prefix) instead of once per worker. ``TPU_DIST_LAUNCH_PRELOAD=0`` turns the zygote off (every worker a
 fresh interpreter, as before). Used only on Linux, for the ``python`` and ``module`` entries
 (not ``--no-python`` or ``--run-path``), when the worker command is this interpreter; a zygote
 that cannot start, preloads nothing or started a thread (a fork would not be safe) is not
