@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,15 @@ def test_forked_process_reports_exit_codes_and_signals_as_popen_does(tmp_path: P
     finally:
         zygote.close()
     assert zygote.proc.returncode == 0  # it ends when the launcher closes the socket
+
+
+def test_a_zygote_still_importing_is_stopped_at_once() -> None:
+    """A launcher stopped before its first worker (Ctrl-C in the rendezvous) does not wait for
+    its zygote's imports."""
+    zygote = _zygote.Zygote(sys.executable, _zygote_env())
+    start = time.monotonic()
+    zygote.close()
+    assert zygote.proc.returncode is not None and time.monotonic() - start < 3.0
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="numpy's BLAS starts no thread on one core")

@@ -277,7 +277,9 @@ class Zygote:
         return ForkedProcess(int(reply["pid"]), args)
 
     def close(self) -> None:
-        """End the zygote (its workers live on)."""
+        """End the zygote (its workers live on: they are the launcher's children). A zygote
+        still importing (the launcher stopped before its first worker: a signal, a failed
+        rendezvous) reads no socket yet and is killed, so the launcher does not wait for it."""
         self._ready = False
         try:
             self._sock.close()
@@ -285,7 +287,7 @@ class Zygote:
             pass
         if self.proc.poll() is None:
             try:
-                self.proc.wait(timeout=5)
+                self.proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
