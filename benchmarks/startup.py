@@ -19,6 +19,23 @@ Steps, each timed on every rank:
 
 "tpu (cold)" runs with an empty compile cache (``TPU_DIST_COMPILE_CACHE`` set to a fresh
 directory), "tpu (warm)" with the cache the cold run filled: a restarted job, or the next test.
+
+``--felt`` measures instead what a user feels (issue 35, item 4): a job that initialises, does
+one all_reduce of 4 KiB and exits, started by ``torchrun`` with gloo and by ``tpu-launch`` with
+"tpu", alternating (A B, B A, ...) for ``--repeat`` rounds, with a warm compile cache (the first
+job of the run fills it and is not counted)::
+
+    python benchmarks/startup.py --felt --repeat 4
+    python benchmarks/startup.py --felt --repeat 4 --kinds gloo,tpu,tpu-fresh
+
+Per job: its wall time, from just before the launcher command starts to its exit; per rank,
+from the rank's process start (``/proc/self/stat``; for a worker tpu-launch forked from its
+zygote, the fork) to its first collective done, split into the interpreter's own start (to the
+script's first line), ``import`` (torch, and tpu_dist for "tpu"), ``init_process_group`` and the
+first ``all_reduce``; and from the launcher's start to the rank's process start (the launcher's
+own start-up, and for forked workers the zygote's imports). Medians over the jobs of the slowest
+rank; the ratio of each to the first kind's; the 1-minute load average at each job's start.
+``tpu-fresh`` is tpu-launch with ``TPU_DIST_LAUNCH_PRELOAD=0``: every worker a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -80,6 +97,134 @@ with open(os.environ["STARTUP_BENCH_OUT"], "a") as out:
 dist.destroy_process_group()
 """
 
+_FELT_WORKER = r"""
+import time
+top = time.time()
+import os, sys
+
+
+def process_start():
+    # Field 22 of /proc/self/stat: the process's start in clock ticks after boot (for a forked
+    # process, the fork). Against /proc/uptime (10 ms resolution) -> seconds since the epoch.
+    with open("/proc/self/stat") as f:
+        ticks = int(f.read().rpartition(")")[2].split()[19])
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    return top - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+start = process_start()
+import torch
+import torch.distributed as dist
+backend = sys.argv[1]
+if backend == "tpu":
+    import tpu_dist
+imported = time.time()
+dist.init_process_group(backend)
+initialised = time.time()
+x = torch.ones(1024)
+dist.all_reduce(x)
+done = time.time()
+assert x[0].item() == dist.get_world_size(), x[0].item()
+launch = float(os.environ["STARTUP_BENCH_LAUNCH_T0"])
+row = {"rank": dist.get_rank(), "launcher": start - launch, "interpreter": top - start,
+       "import": imported - top, "init": initialised - imported,
+       "first_all_reduce": done - initialised, "process_to_first": done - start,
+       "launch_to_first": done - launch}
+with open(os.environ["STARTUP_BENCH_OUT"], "a") as out:
+    out.write(__import__("json").dumps(row) + "\n")
+dist.destroy_process_group()
+"""
+
+FELT_STEPS = ("launcher", "interpreter", "import", "init", "first_all_reduce",
+              "process_to_first", "launch_to_first")
+"""Per rank (seconds): launcher start -> process start; process start -> script's first line;
+imports; init_process_group; the first all_reduce; process start -> first collective done;
+launcher start -> first collective done."""
+
+FELT_KINDS = {
+    "gloo": ("torch.distributed.run", "gloo", {}),
+    "tpu": ("tpu_dist.launch", "tpu", {}),
+    "tpu-fresh": ("tpu_dist.launch", "tpu", {"TPU_DIST_LAUNCH_PRELOAD": "0"}),
+}
+"""Job kind -> the launcher module that starts it (torchrun, tpu-launch), the backend, and
+variables for the launcher: ``tpu-fresh`` starts every worker as a fresh interpreter (no
+zygote, tpu_dist.launch._zygote), as tpu-launch did before."""
+FELT_TITLES = {"gloo": "torchrun + gloo", "tpu": "tpu-launch + tpu", "tpu-fresh": "tpu, fresh"}
+
+
+def load_average() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def run_felt(kind: str, nproc: int, env: dict[str, str]) -> dict[str, float]:
+    """One job of ``_FELT_WORKER`` of ``kind`` (:data:`FELT_KINDS`): the job's wall seconds
+    and, per :data:`FELT_STEPS`, the slowest rank's seconds."""
+    launcher, backend, extra = FELT_KINDS[kind]
+    with tempfile.TemporaryDirectory() as tmp:
+        script, out = os.path.join(tmp, "worker.py"), os.path.join(tmp, "marks.jsonl")
+        with open(script, "w") as f:
+            f.write(_FELT_WORKER)
+        cmd = [sys.executable, "-m", launcher, "--nproc-per-node", str(nproc)]
+        if backend == "gloo":
+            cmd.append("--standalone")  # a c10d rendezvous on a free port, as tpu-launch's
+        cmd += [script, backend]
+        load = load_average()
+        t0 = time.time()
+        proc = subprocess.run(
+            cmd, env={**os.environ, **env, **extra, "STARTUP_BENCH_OUT": out,
+                      "STARTUP_BENCH_LAUNCH_T0": repr(t0)},
+            capture_output=True, text=True, timeout=600,
+        )
+        wall = time.time() - t0
+        rows = []
+        if os.path.exists(out):
+            with open(out) as f:
+                rows = [json.loads(line) for line in f]
+        if proc.returncode != 0 or len(rows) != nproc:
+            raise RuntimeError(f"{kind} job failed ({proc.returncode}, {len(rows)} of {nproc} "
+                               f"ranks wrote marks):\n{proc.stderr[-3000:]}")
+    result = {step: max(r[step] for r in rows) for step in FELT_STEPS}
+    result.update(wall=wall, load=load)
+    return result
+
+
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    n = len(values)
+    return values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2
+
+
+def felt(nproc: int, repeat: int, kinds: tuple[str, ...]) -> dict[str, list[dict[str, float]]]:
+    """``--felt``: rounds of one job of each kind, in order and reversed on alternate rounds
+    (A B, B A, ...); prints medians [min-max] and the ratio to the first kind; returns every
+    job's numbers."""
+    jobs: dict[str, list[dict[str, float]]] = {kind: [] for kind in kinds}
+    with tempfile.TemporaryDirectory() as cache:  # mode 0700, as the cache requires
+        env = {"TPU_DIST_COMPILE_CACHE": cache}
+        run_felt("tpu", nproc, env)  # fills the cache; a user's second job on this host
+        for i in range(repeat):
+            for kind in (kinds if i % 2 == 0 else kinds[::-1]):
+                jobs[kind].append(run_felt(kind, nproc, env))
+                print(f"round {i} {kind}: wall {jobs[kind][-1]['wall']:.2f} s, "
+                      f"load {jobs[kind][-1]['load']:.2f}", file=sys.stderr, flush=True)
+    print(f"{nproc} ranks, {repeat} job(s) each, alternating, warm compile cache; seconds: "
+          "median [min-max]; ranks: the slowest rank of each job; ratio: to "
+          f"{FELT_TITLES[kinds[0]]}")
+    print(f"  {'':18s}" + "".join(f"{FELT_TITLES[k]:>24s}{'ratio':>7s}" for k in kinds))
+    for step in ("wall", *FELT_STEPS, "load"):
+        line, base = f"  {step:18s}", None
+        for kind in kinds:
+            values = sorted(j[step] for j in jobs[kind])
+            median = _median(values)
+            base = median if base is None else base
+            ratio = f"{median / base:7.2f}" if base > 0 and step != "load" else " " * 7
+            line += f"{f'{median:.3f} [{values[0]:.3f}-{values[-1]:.3f}]':>24s}{ratio}"
+        print(line)
+    return jobs
+
+
 STEPS = ("import", "init", "first_all_reduce", "steady_all_reduce", "new_shape", "new_group",
          "reinit")
 
@@ -130,7 +275,21 @@ def main() -> None:
                         help="rounds of gloo, tpu (cold), tpu (warm), each cold round with a "
                         "new empty cache (default 1); the table gives medians and ranges")
     parser.add_argument("--json", help="also write the results to this JSON file")
+    parser.add_argument("--felt", action="store_true",
+                        help="instead: from process start and the job's wall time, torchrun + "
+                        "gloo beside tpu-launch + tpu, A B B A for --repeat rounds")
+    parser.add_argument("--kinds", default="gloo,tpu",
+                        help="with --felt: the jobs of each round, comma-separated, of "
+                        f"{', '.join(FELT_KINDS)} (default gloo,tpu; the first is the ratios' "
+                        "base)")
     args = parser.parse_args()
+    if args.felt:
+        jobs = felt(args.nproc, args.repeat, tuple(args.kinds.split(",")))
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump({"nproc": args.nproc, "time": time.time(), "felt": jobs}, f, indent=1)
+        return
     rounds: dict[str, list[dict[str, dict[str, float]]]] = {}
     for _ in range(args.repeat):
         with tempfile.TemporaryDirectory() as cache:  # mode 0700, as the cache requires

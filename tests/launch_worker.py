@@ -7,7 +7,8 @@ Modes (one per behaviour under test):
   of the launcher-given variables). The backend is a flag so the tests can move from "gloo" to
   "tpu" by changing one parameter.
 * ``fail``: rank ``--fail-rank`` exits with ``--exit-code`` (or raises with ``--raise``) after
-  ``--delay`` seconds; the others write their pid to ``--pid-dir`` and sleep.
+  ``--delay`` seconds (with ``--wait-pids N``: once N ranks wrote their pid, then the delay);
+  the others write their pid to ``--pid-dir`` and sleep.
 * ``fail-once``: resumes from a checkpoint: the first attempt (no marker file yet) of rank
   ``--fail-rank`` (with ``--after-init``: after initialising the group and all-reducing) writes
   the marker and exits 1 (without ``--after-init`` the other ranks sleep ``--sleep`` s meanwhile,
@@ -221,6 +222,7 @@ def main() -> None:
     parser.add_argument("--caught-exit-code", type=int, default=None)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--pid-dir")
+    parser.add_argument("--wait-pids", type=int, default=0)
     parser.add_argument("--marker")
     parser.add_argument("--sleep", type=float, default=120.0)
     parser.add_argument("--steps", type=int, default=6)
@@ -236,6 +238,11 @@ def main() -> None:
     elif args.mode == "fail":
         _write_pid(args.pid_dir)
         if rank == args.fail_rank:
+            deadline = time.monotonic() + 120
+            while args.wait_pids and time.monotonic() < deadline and len(
+                [n for n in os.listdir(args.pid_dir) if n.endswith(".pid")]
+            ) < args.wait_pids:
+                time.sleep(0.05)
             time.sleep(args.delay)
             if args.raise_:
                 raise RuntimeError(f"deliberate failure on rank {rank}")

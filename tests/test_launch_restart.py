@@ -139,7 +139,9 @@ def test_restarted_job_resumes_from_its_checkpoint_with_the_right_result(restart
 
 
 def test_one_hosts_failure_stops_the_other_host(tmp_path: Path) -> None:
-    """Node 1's rank 3 exits 7 while node 0's workers sleep outside any collective."""
+    """Node 1's rank 3 exits 7 while node 0's workers sleep outside any collective (it waits
+    until every rank has started: each host's workers start when its own zygote has imported
+    torch and JAX, seconds apart on a loaded machine)."""
     port = free_port()
     worker = [
         WORKER,
@@ -148,6 +150,8 @@ def test_one_hosts_failure_stops_the_other_host(tmp_path: Path) -> None:
         "3",
         "--exit-code",
         "7",
+        "--wait-pids",
+        "4",
         "--delay",
         "1",
         "--pid-dir",

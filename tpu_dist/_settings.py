@@ -327,10 +327,18 @@ METADATA_TIMEOUT: Setting[float] = Setting(
     parse=_seconds(0.01, "1"),
 )
 
+LAUNCH_PRELOAD: Setting[bool] = Setting(
+    env="TPU_DIST_LAUNCH_PRELOAD",
+    default="1",
+    help="1: tpu-launch forks its workers from a process that imported torch and JAX once (a "
+    "zygote, tpu_dist.launch._zygote); 0: every worker starts as a fresh interpreter.",
+    parse=_bool,
+)
+
 SETTINGS: tuple[Setting, ...] = (
     PLATFORM, COORDINATOR_ADDRESS, COORDINATION_SERVICE, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
     FLIGHT_RECORDER_SIZE, EXIT_CODE, LAUNCH_ATTEMPT, COMPILE_ONLY, COMPILE_CACHE, BACKEND_NAME,
-    DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT,
+    DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT, LAUNCH_PRELOAD,
 )
 """Every declared setting, in the order above."""
 

@@ -355,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args = parse_args(argv, environ)
         spec = resolve(args, discover(environ), environ)
         worker_env = compute_worker_env(spec, environ)
+        _settings.LAUNCH_PRELOAD.get(environ)  # a malformed switch: exit 2, nothing started
     except ValueError as err:
         sys.stderr.write(f"tpu-launch: error: {err}\n")
         sys.exit(2)

@@ -14,6 +14,7 @@ Also the ``--dry-run`` report, and the launcher's exit codes:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -29,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tpu_dist import _settings
-from tpu_dist.launch import _worker
+from tpu_dist.launch import _worker, _zygote
 from tpu_dist.launch._chips import placement
 from tpu_dist.launch._config import DEFAULT_MASTER_PORT, LaunchSpec
 from tpu_dist.launch._env import WorkerEnv, compute_worker_env, elastic_vars
@@ -400,6 +401,56 @@ def _store_address(spec: LaunchSpec) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
+def _start_zygote(spec: LaunchSpec) -> _zygote.Zygote | None:
+    """This launch's zygote (:mod:`._zygote`), started with the workers' shared environment,
+    or None where workers start as fresh interpreters."""
+    if spec.entry.kind not in ("python", "module") or not _zygote.enabled():
+        return None
+    try:
+        return _zygote.Zygote(spec.entry.python, os.environ)
+    except OSError as err:
+        logger.warning("tpu-launch: workers start without a zygote: %s", err)
+        return None
+
+
+@contextlib.contextmanager
+def _forked_from(zygote: _zygote.Zygote | None, verbose: bool) -> Any:
+    """While elastic starts workers, it forks them from ``zygote`` (elastic's per-worker
+    handler, ``get_subprocess_handler``, replaced in its module for the duration)."""
+    if zygote is None:
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing import api
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    said = False
+
+    class ForkedHandler(SubprocessHandler):
+        def _popen(self, args: tuple, env: dict[str, str]) -> Any:
+            nonlocal said
+            proc = zygote.spawn(args, env, self._stdout, self._stderr)
+            if proc is not None:
+                return proc
+            if zygote.why_not and not said and verbose:
+                said = True
+                logger.info("tpu-launch: workers start without a zygote: %s", zygote.why_not)
+            return super()._popen(args, env)
+
+    def handler(entrypoint: str, args: tuple, env: dict[str, str], stdout: str, stderr: str,
+                local_rank_id: int, numa_options: Any = None) -> SubprocessHandler:
+        return ForkedHandler(entrypoint=entrypoint, args=args, env=env, stdout=stdout,
+                             stderr=stderr, local_rank_id=local_rank_id,
+                             numa_options=numa_options)
+
+    original = api.get_subprocess_handler
+    api.get_subprocess_handler = handler
+    try:
+        yield
+    finally:
+        api.get_subprocess_handler = original
+        zygote.close()
+
+
 def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) -> int:
     """Runs this host's workers under torch.distributed.elastic; returns the exit code.
 
@@ -418,6 +469,9 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
         elastic_logger.removeFilter(old)  # an earlier launch() of this process
     elastic_logger.addFilter(_ElasticStops(quiet=not verbose))
     config, entrypoint, args = elastic_config(spec)
+    # Started now, with the environment every worker shares, so that it imports torch and JAX
+    # while this launcher meets the other hosts.
+    zygote = _start_zygote(spec)
     address = _store_address(spec)
     # How long a launcher hosting the JAX coordination service waits, once its own workers are
     # gone, for the other hosts' launchers to stop theirs (SIGTERM, then SIGKILL after elastic's
@@ -444,7 +498,8 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     if watch is not None:
         watch.start()
     try:
-        elastic_launch(config, entrypoint)(*args)
+        with _forked_from(zygote, verbose):
+            elastic_launch(config, entrypoint)(*args)
         return 0
     except ChildFailedError as err:
         summary = _failure_summary(spec, err)

@@ -1,0 +1,183 @@
+"""Workers forked from tpu-launch's zygote (``tpu_dist.launch._zygote``) are the workers a fresh
+interpreter would have been: the same environment, arguments, paths, streams, session, parent
+and signal dispositions, the same exit codes and signals as seen by the launcher; only torch
+and JAX are imported already.
+
+Each job runs twice, with the zygote (the default) and with ``TPU_DIST_LAUNCH_PRELOAD=0`` (every
+worker a fresh ``python -u _worker.py``, as before), and the two are compared. Timing is in
+``benchmarks/startup.py --felt``, not here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.launch_worker import REPO, clean_env, run_launcher
+from tpu_dist import _settings
+from tpu_dist.launch import _zygote
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+_STATE = textwrap.dedent(
+    """
+    import faulthandler, json, os, random, signal, sys
+    import numpy
+    main = sys.modules["__main__"]
+    state = {
+        "argv": sys.argv,
+        "path0": sys.path[0],
+        "path_rest": [p for p in sys.path[1:] if p != os.devnull],
+        "cwd": os.getcwd(),
+        "name": __name__,
+        "main_file": getattr(main, "__file__", None),
+        "env": dict(os.environ),
+        "parent_is_launcher": os.getppid() == int(os.environ["TPU_DIST_LAUNCH_PID"]),
+        "own_session": os.getsid(0) == os.getpid() == os.getpgid(0),
+        "stdin": os.fstat(0).st_ino,
+        "streams": [type(sys.stdout.buffer).__name__, sys.stdout.write_through,
+                    type(sys.stderr.buffer).__name__, sys.stderr.write_through],
+        "signals": {s: str(signal.getsignal(getattr(signal, s)))
+                    for s in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGHUP")},
+        "umask": os.umask(0o22),
+        "faulthandler": faulthandler.is_enabled(),
+        "tpu_dist_modules": sorted(m for m in sys.modules if m.startswith("tpu_dist")),
+        "torch_preloaded": "torch" in sys.modules,
+        "draws": [random.random(), float(numpy.random.random())],
+    }
+    with open(os.path.join(sys.argv[1], os.environ["LOCAL_RANK"] + ".json"), "w") as f:
+        json.dump(state, f)
+    print("OUT rank", os.environ["RANK"])
+    print("ERR rank", os.environ["RANK"], file=sys.stderr)
+    """
+)
+
+_RUN_SPECIFIC = (
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_ERROR_FILE",
+    "TPU_DIST_LAUNCH_PID",
+    "TPU_DIST_LAUNCH_EXIT_TIMES",
+    "TPU_DIST_COORDINATION_SERVICE",
+    "TPU_DIST_LAUNCH_PRELOAD",
+)
+"""Variables whose values differ between any two launches (ports, run ids, temporary paths)."""
+
+
+def _job(tmp_path: Path, name: str, preload: bool, stdin: int | None = None) -> dict[int, dict]:
+    script, out = tmp_path / "state.py", tmp_path / name
+    script.write_text(_STATE)
+    out.mkdir()
+    env = {} if preload else {_settings.LAUNCH_PRELOAD.env: "0"}
+    code, stdout, stderr = run_launcher(
+        ["--nproc-per-node", "2", str(script), str(out)], env=env, timeout=240
+    )
+    assert code == 0, stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]:OUT rank {rank}" in stdout, stdout
+        assert f"[rank{rank}]:ERR rank {rank}" in stderr, stderr
+    states = {r: json.loads((out / f"{r}.json").read_text()) for r in (0, 1)}
+    for state in states.values():
+        for var in _RUN_SPECIFIC:
+            state["env"].pop(var, None)
+        assert state["argv"][1] == str(out)
+        state["argv"][1] = "OUT"
+    return states
+
+
+def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
+    forked = _job(tmp_path, "forked", preload=True)
+    fresh = _job(tmp_path, "fresh", preload=False)
+    for job in (forked, fresh):  # each rank draws its own random numbers
+        first, second = job[0].pop("draws"), job[1].pop("draws")
+        assert first[0] != second[0] and first[1] != second[1], (first, second)
+    for rank in (0, 1):
+        assert forked[rank]["torch_preloaded"] is True  # the zygote was used
+        assert fresh[rank]["torch_preloaded"] is False
+        forked[rank].pop("torch_preloaded"), fresh[rank].pop("torch_preloaded")
+        assert forked[rank]["env"] == fresh[rank]["env"]
+        assert forked[rank] == fresh[rank]
+        assert forked[rank]["parent_is_launcher"] and forked[rank]["own_session"]
+        assert forked[rank]["tpu_dist_modules"] == []  # nothing of tpu_dist before the script
+
+
+def _zygote_env() -> dict[str, str]:
+    # numpy's BLAS pool: one thread, none started; the launcher's pid, as tpu-launch exports it
+    return clean_env({"OMP_NUM_THREADS": "1", "TPU_DIST_LAUNCH_PID": str(os.getpid())})
+
+
+def test_forked_process_reports_exit_codes_and_signals_as_popen_does(tmp_path: Path) -> None:
+    """The launcher waits for, and signals, a forked worker as a child it started itself."""
+    zygote = _zygote.Zygote(sys.executable, _zygote_env())
+    worker = os.path.join(REPO, "tpu_dist", "launch", "_worker.py")
+    script = tmp_path / "body.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "what = sys.argv[1]\n"
+        "if what == 'exit': sys.exit(7)\n"
+        "if what == 'raise': raise ValueError('deliberate')\n"
+        "if what == 'kill': os.kill(os.getpid(), signal.SIGKILL)\n"
+        "time.sleep(60)\n"
+    )
+    try:
+        def start(what: str) -> _zygote.ForkedProcess:
+            env = dict(_zygote_env(), LOCAL_RANK="0")
+            args = [sys.executable, "-u", worker, "python", str(script), what]
+            with open(tmp_path / f"{what}.err", "w") as err:
+                proc = zygote.spawn(args, env, None, err)
+            assert proc is not None, zygote.why_not
+            return proc
+
+        assert start("exit").wait(60) == 7
+        assert start("raise").wait(60) == 1
+        assert "ValueError: deliberate" in (tmp_path / "raise.err").read_text()
+        assert start("kill").wait(60) == -signal.SIGKILL
+        sleeper = start("sleep")
+        with pytest.raises(subprocess.TimeoutExpired):
+            sleeper.wait(0.3)
+        assert sleeper.poll() is None
+        os.killpg(sleeper.pid, signal.SIGTERM)  # how elastic stops a worker
+        assert sleeper.wait(60) == -signal.SIGTERM
+        # Not a worker command (numactl in front, another interpreter): not forked.
+        assert zygote.spawn(["numactl", "-N", "0", sys.executable], {}, None, None) is None
+        # A variable the preloaded modules could have read at import differs: not forked.
+        env = dict(_zygote_env(), LOCAL_RANK="0", XLA_FLAGS="--xla_dump_to=/tmp/x")
+        args = [sys.executable, "-u", worker, "python", str(script), "exit"]
+        assert zygote.spawn(args, env, None, None) is None
+        assert zygote.why_not == "the worker's environment differs from the zygote's in XLA_FLAGS"
+    finally:
+        zygote.close()
+    assert zygote.proc.returncode == 0  # it ends when the launcher closes the socket
+
+
+def test_a_zygote_still_importing_is_stopped_at_once() -> None:
+    """A launcher stopped before its first worker (Ctrl-C in the rendezvous) does not wait for
+    its zygote's imports."""
+    zygote = _zygote.Zygote(sys.executable, _zygote_env())
+    start = time.monotonic()
+    zygote.close()
+    assert zygote.proc.returncode is not None and time.monotonic() - start < 3.0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="numpy's BLAS starts no thread on one core")
+def test_a_zygote_with_threads_is_not_used() -> None:
+    """numpy's BLAS starts its thread pool at import unless OMP_NUM_THREADS=1: forking then is
+    not safe, and the zygote says so before it imports torch and JAX."""
+    env = {k: v for k, v in _zygote_env().items() if k not in ("OMP_NUM_THREADS",
+                                                                "OPENBLAS_NUM_THREADS")}
+    zygote = _zygote.Zygote(sys.executable, env)
+    worker = os.path.join(REPO, "tpu_dist", "launch", "_worker.py")
+    try:
+        args = [sys.executable, "-u", worker, "python", "x.py"]
+        assert zygote.spawn(args, env, None, None) is None
+        assert zygote.why_not is not None and "threads after importing numpy" in zygote.why_not
+    finally:
+        zygote.close()

@@ -1,0 +1,447 @@
+"""Workers forked from a process that imported torch and JAX once (a zygote), not each a fresh
+interpreter that imports them itself.
+
+Every worker of a job imports torch (1-2 s of CPU) and, at its first "tpu" group, JAX (about
+1 s): each pays it, in parallel, and on a host with fewer free cores than workers one after
+another. The launcher instead starts one *zygote* as soon as the workers' environment is
+known: a Python that imports :data:`PRELOAD` (torch, ``torch.distributed``, JAX; no backend,
+no thread) while the launcher itself meets the other hosts, and then forks every worker of
+every attempt. A worker forked from it is the process torch.distributed.elastic would have
+started with ``python -u _worker.py MODE TARGET ARGS``, with the same
+
+* environment (the whole of it, as elastic computed it: replaced after the fork), working
+  directory, stdin/stdout/stderr (elastic's log files, or the launcher's own), argument vector
+  and the ``-u`` streams; its own session (elastic stops a worker with ``killpg``);
+* parent: the launcher. The zygote forks an intermediate that forks the worker and exits, and
+  the launcher is a *child subreaper* (Linux ``PR_SET_CHILD_SUBREAPER``) while it asks, so the
+  orphaned worker becomes the launcher's child: elastic waits for it, reads its exit code or
+  signal, and signals it, as for a process it started itself; the worker's parent-death signal
+  (``PR_SET_PDEATHSIG``, :mod:`._worker`) is tied to the launcher;
+* entry: the worker runs :func:`tpu_dist.launch._worker.main`, loaded by path as the fresh
+  interpreter would run it (nothing of ``tpu_dist`` imported before the user's program).
+
+What differs: the modules of :data:`PRELOAD` are imported before the worker's own environment is
+applied, so a variable they read *at import* takes the value the launcher had when it started
+the zygote; a worker whose environment differs from the zygote's in any variable but those read
+later (:data:`LATE_VARS`: elastic's per-worker ``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_*``, the
+attempt's ``TPU_DIST_*``) is started fresh instead. Python's string hash seed is the zygote's,
+the same in every worker (a fresh interpreter draws its own unless ``PYTHONHASHSEED`` is set);
+Python's ``random`` and numpy's global generator are reseeded from the OS in each worker, as a
+fresh interpreter seeds them. With ``TPU_DIST_DEFAULT_FOR_CPU=1`` (``--default-for-cpu``),
+torch's import runs tpu_dist's ``torch.backends`` hook, which imports tpu_dist: in the zygote,
+so its notice that it became the default CPU backend is printed once (by the zygote, without a
+``[rankN]:`` prefix) instead of once per worker. ``TPU_DIST_LAUNCH_PRELOAD=0`` turns the zygote off (every worker a
+fresh interpreter, as before). Used only on Linux, for the ``python`` and ``module`` entries
+(not ``--no-python`` or ``--run-path``), when the worker command is this interpreter; a zygote
+that cannot start, preloads nothing or started a thread (a fork would not be safe) is not
+used, and each worker is then started as before.
+
+The zygote ends when the launcher closes its end of the socket, or when the launcher dies
+(``PR_SET_PDEATHSIG``).
+
+This file runs by path in the zygote (``python -u _zygote.py FD``), like ``_worker.py``: it
+imports only the standard library before :data:`PRELOAD`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "enabled"]
+
+PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
+"""What the zygote imports before it forks workers, in this order. numpy first: its BLAS starts
+a pool of threads at import unless ``OMP_NUM_THREADS`` (or ``OPENBLAS_NUM_THREADS``) is 1
+(tpu-launch sets 1 for several workers per host, as torchrun does), and a zygote with threads
+is not used: it says so before it spends seconds on the rest."""
+
+LATE_VARS = frozenset({
+    # torch.distributed.elastic's, per worker and attempt (torchrun's own list)
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_SIGNALS_TO_HANDLE", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+})
+"""Variables a forked worker's environment may differ in from the zygote's: read only after
+the worker starts (by ``init_process_group``, elastic's error handler), never while
+:data:`PRELOAD` is imported; also tpu-launch's per-attempt ``TPU_DIST_LAUNCH_ATTEMPT`` and
+``TPU_DIST_COORDINATION_SERVICE`` (read by tpu_dist's runtime). A worker whose environment
+differs in any other variable is not forked (:meth:`Zygote.spawn`)."""
+
+
+def _late_vars() -> frozenset[str]:
+    # Imported here, in the launcher: this file runs by path in the zygote.
+    from tpu_dist import _settings
+
+    return LATE_VARS | {_settings.LAUNCH_ATTEMPT.env, _settings.COORDINATION_SERVICE.env}
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+_MAX_MESSAGE = 1 << 24
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _send(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
+    head = len(data).to_bytes(4, "big")
+    if fds:
+        socket.send_fds(sock, [head], list(fds))
+    else:
+        sock.sendall(head)
+    sock.sendall(data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            raise EOFError("the other end closed the socket")
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _recv(sock: socket.socket, nfds: int = 0) -> tuple[bytes, list[int]]:
+    fds: list[int] = []
+    if nfds:
+        head, fds, _, _ = socket.recv_fds(sock, 4, nfds)
+        if not head:
+            raise EOFError("the other end closed the socket")
+        head += _recv_exact(sock, 4 - len(head))
+    else:
+        head = _recv_exact(sock, 4)
+    size = int.from_bytes(head, "big")
+    if size > _MAX_MESSAGE:
+        raise ValueError(f"message of {size} bytes")
+    return _recv_exact(sock, size), fds
+
+
+# -- the launcher's side ---------------------------------------------------------------------
+
+
+class ForkedProcess:
+    """A worker forked by the zygote, now the launcher's child: what elastic uses of a
+    ``subprocess.Popen`` (``pid``, ``returncode``, ``poll``, ``wait``, signals)."""
+
+    def __init__(self, pid: int, args: Sequence[str]) -> None:
+        self.pid = pid
+        self.args = list(args)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere; its status is lost
+                self.returncode = 255
+                return self.returncode
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if timeout is None:
+            while self.returncode is None:
+                try:
+                    pid, status = os.waitpid(self.pid, 0)
+                except ChildProcessError:
+                    self.returncode = 255
+                    break
+                except InterruptedError:
+                    continue
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+            return self.returncode
+        end = time.monotonic() + timeout
+        delay = 0.0005
+        while self.poll() is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            delay = min(delay * 2, left, 0.05)
+            time.sleep(delay)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Zygote:
+    """The launcher's handle on its zygote (module doc): :meth:`spawn` forks a worker."""
+
+    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+        self.python = python
+        self.env = dict(env)
+        """The environment the zygote imported :data:`PRELOAD` in."""
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-u", os.path.abspath(__file__), str(theirs.fileno()), str(os.getpid())],
+                env=dict(env),
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                # Not in the launcher's process group: a Ctrl-C at the terminal reaches the
+                # launcher (which stops its workers), not the zygote (which would print a
+                # KeyboardInterrupt); it ends with the launcher.
+                start_new_session=True,
+            )
+        finally:
+            theirs.close()
+        self._ready: bool | None = None
+        self.why_not: str | None = None
+        """Why the zygote is not used (after a failed :meth:`spawn`)."""
+
+    def _check_ready(self) -> bool:
+        if self._ready is None:
+            try:
+                data, _ = _recv(self._sock)
+                ready = json.loads(data)
+            except (OSError, EOFError, ValueError) as err:
+                ready = {"ok": False, "why": f"the zygote ended before it was ready ({err})"}
+            self._ready = bool(ready.get("ok"))
+            if not self._ready:
+                self.why_not = ready.get("why", "unknown")
+                self.close()
+        return self._ready
+
+    def spawn(
+        self, args: Sequence[str], env: Mapping[str, str], stdout: Any, stderr: Any
+    ) -> ForkedProcess | None:
+        """Fork a worker running ``args`` (``python -u _worker.py ...``) with ``env``, its output
+        to the files ``stdout``/``stderr`` (None: the launcher's); None when the zygote cannot
+        (:attr:`why_not`): the caller starts the worker itself."""
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+        if (
+            len(args) < 3
+            or args[0] != self.python
+            or args[1] != "-u"
+            or os.path.abspath(args[2]) != worker
+        ):
+            return None
+        late = _late_vars()
+        differ = sorted(
+            k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k not in late
+        )
+        if differ:
+            self.why_not = (
+                f"the worker's environment differs from the zygote's in {', '.join(differ)}"
+            )
+            return None
+        if not self._check_ready():
+            return None
+        fds = [
+            0,
+            stdout.fileno() if stdout is not None else 1,
+            stderr.fileno() if stderr is not None else 2,
+        ]
+        request = {"argv": list(args[3:]), "env": dict(env), "cwd": os.getcwd()}
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+        try:
+            _send(self._sock, json.dumps(request).encode(), fds)
+            data, _ = _recv(self._sock)
+            reply = json.loads(data)
+        except (OSError, EOFError, ValueError) as err:
+            self.why_not = f"the zygote failed ({err})"
+            self.close()
+            return None
+        finally:
+            _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        if "pid" not in reply:
+            self.why_not = reply.get("why", "unknown")
+            return None
+        return ForkedProcess(int(reply["pid"]), args)
+
+    def close(self) -> None:
+        """End the zygote (its workers live on: they are the launcher's children). A zygote
+        still importing (the launcher stopped before its first worker: a signal, a failed
+        rendezvous) reads no socket yet and is killed, so the launcher does not wait for it."""
+        self._ready = False
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether workers fork from a zygote: on Linux, unless ``TPU_DIST_LAUNCH_PRELOAD=0``.
+
+    Raises:
+        ValueError: ``TPU_DIST_LAUNCH_PRELOAD`` is not a switch.
+    """
+    from tpu_dist import _settings  # in the launcher, as in _late_vars
+
+    return sys.platform.startswith("linux") and _settings.LAUNCH_PRELOAD.get(environ)
+
+
+# -- the zygote's side -----------------------------------------------------------------------
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _serve(fd: int, launcher: int) -> list[str]:
+    """The zygote: preload, then fork a worker per request. Returns only in a forked worker,
+    with the worker entry's arguments."""
+    sock = socket.socket(fileno=fd)
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != launcher:
+        os._exit(0)
+    loaded, why = [], None
+    for name in PRELOAD:
+        try:
+            __import__(name)
+            loaded.append(name)
+        except ImportError:
+            continue
+        threads = _threads()
+        if threads != 1:
+            why = f"{threads} threads after importing {name} (a fork would not be safe)"
+            break
+    if why is None and not loaded:
+        why = f"none of {', '.join(PRELOAD)} imports"
+    if why is not None:
+        _send(sock, json.dumps({"ok": False, "why": why}).encode())
+        os._exit(0)
+    _send(sock, json.dumps({"ok": True, "loaded": loaded}).encode())
+    while True:
+        try:
+            data, fds = _recv(sock, 3)
+        except (OSError, EOFError, ValueError):
+            os._exit(0)
+        try:
+            request = json.loads(data)
+            pid = _fork_worker(sock, request, fds)
+        except Exception as err:  # noqa: BLE001 - reported to the launcher, which falls back
+            for f in fds:
+                os.close(f)
+            _send(sock, json.dumps({"why": f"{type(err).__name__}: {err}"}).encode())
+            continue
+        if pid == 0:  # the worker
+            return list(request["argv"])
+        for f in fds:
+            os.close(f)
+        _send(sock, json.dumps({"pid": pid}).encode())
+
+
+def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
+    """In the zygote: fork an intermediate that forks the worker and exits, so that the worker
+    is orphaned to the launcher (a subreaper while it asks). Returns the worker's pid in the
+    zygote, 0 in the worker."""
+    pid_r, pid_w = os.pipe()
+    middle = os.fork()
+    if middle == 0:
+        worker = -1
+        try:
+            os.close(pid_r)
+            ready_r, ready_w = os.pipe()
+            worker = os.fork()
+            if worker != 0:
+                os.close(ready_w)
+                os.read(ready_r, 1)  # EOF once the worker has its own session
+                os.write(pid_w, str(worker).encode())
+        finally:
+            if worker != 0:
+                os._exit(0)  # the intermediate: its worker is orphaned to the launcher
+        try:
+            os.close(ready_r)
+            os.close(pid_w)
+            os.setsid()  # its own session and process group, as elastic's Popen gives
+            os.close(ready_w)  # the intermediate may go
+            parent = os.getppid()
+            deadline = time.monotonic() + 10.0
+            while os.getppid() == parent and time.monotonic() < deadline:
+                time.sleep(0.0005)  # until orphaned to the launcher
+            _become_worker(sock, request, fds)
+        except BaseException as err:  # noqa: BLE001 - never back into the zygote's loop
+            os.write(2, f"tpu-launch zygote: the worker could not start: {err!r}\n".encode())
+            os._exit(127)
+        return 0
+    os.close(pid_w)
+    data = b""
+    while True:
+        chunk = os.read(pid_r, 64)
+        if not chunk:
+            break
+        data += chunk
+    os.close(pid_r)
+    os.waitpid(middle, 0)
+    if not data:
+        raise RuntimeError("the intermediate process could not fork the worker")
+    return int(data)
+
+
+def _become_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
+    """In the forked worker: the launcher's file descriptors, environment and directory."""
+    sock.close()
+    for target, fd in enumerate(fds):
+        if fd != target:
+            os.dup2(fd, target)
+    for fd in set(fds):
+        if fd > 2:
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    # A fresh interpreter seeds numpy's global generator from the OS at import; forked, every
+    # worker would draw the zygote's numbers (Python's `random` reseeds itself after a fork).
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def _load_worker_entry() -> Any:
+    """``_worker.py`` as a module of its own (not through the ``tpu_dist`` package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_worker.py")
+    spec = importlib.util.spec_from_file_location("_tpu_dist_launch_worker", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = module  # type: ignore[union-attr]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+if __name__ == "__main__":
+    # Not this file's folder first on sys.path (tpu_dist/launch: its _config.py, _env.py, ...
+    # would shadow modules of those names in what the zygote imports); the worker entry puts
+    # the script's folder there, as in a fresh worker.
+    sys.path[0] = os.devnull
+    _entry = _load_worker_entry()
+    _argv = _serve(int(sys.argv[1]), int(sys.argv[2]))
+    sys.argv = [_entry.__file__, *_argv]
+    _entry.main(_argv)
