@@ -39,6 +39,7 @@ from tpu_dist.compile_job._compile import (
     CompileReport,
     estimate_seconds,
     write_report,
+    write_step_picture,
 )
 from tpu_dist.compile_job._estimate import (
     CollectiveTime,
@@ -53,6 +54,7 @@ from tpu_dist.compile_job._estimate import (
     step_estimate,
 )
 from tpu_dist.compile_job._fake import LargeTensorsFake
+from tpu_dist.compile_job._step import StepMeter, StepRecord, StepReport, step_report
 from tpu_dist.compile_job._session import (
     Session,
     activate,
@@ -70,6 +72,9 @@ __all__ = [
     "Session",
     "StepCollective",
     "StepEstimate",
+    "StepMeter",
+    "StepRecord",
+    "StepReport",
     "activate",
     "active_session",
     "collective_time",
@@ -80,8 +85,10 @@ __all__ = [
     "flops_per_token",
     "fsdp_tp_collectives",
     "step_estimate",
+    "step_report",
     "world_devices",
     "write_report",
+    "write_step_picture",
 ]
 
 COMPILE_ONLY_ENV = _settings.COMPILE_ONLY.env
