@@ -8,7 +8,11 @@ keeps:
 * **FLOPs**, counted with torch's :class:`~torch.utils.flop_counter.FlopCounterMode` on the ops
   this rank runs. A DTensor op is counted once, on its local shards: the counter's dispatch
   mode passes DTensor ops on to DTensor (as torch's ``MemTracker`` does) and counts the local
-  ops DTensor then runs, so the count is per device, not the global op's. CPU attention
+  ops DTensor then runs, so the count is per device, not the global op's; the global op that
+  DTensor's sharding propagation runs under a fake mode of its own (to learn the output's
+  shape) is not counted either (MemTracker's rule: only ops under the fake mode that was
+  active when counting began). Without both, a sharded matmul counts 5x its shard's FLOPs on
+  4 ranks (measured, ``tests/test_step_report.py``). CPU attention
   (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what the script runs on the
   host) is counted with torch's own attention formulas, which it lacks for that kernel: the
   forward's two ``s x s`` matmuls over the whole square (no causal discount, as TorchTitan
@@ -36,7 +40,7 @@ from copy import deepcopy
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch._guards import active_fake_mode
 from torch.utils.flop_counter import (
     FlopCounterMode,
     _FlopCounterMode,
@@ -83,10 +87,18 @@ class _LocalOpsMode(_FlopCounterMode):
     """The counter's dispatch mode, leaving DTensor ops to DTensor and counting the local ops
     it runs (each op once, per device: module docstring)."""
 
+    def __init__(self, counter: _LocalFlops) -> None:
+        super().__init__(counter)
+        # As MemTracker does: DTensor's sharding propagation runs the global op under a fake
+        # mode of its own to learn the output's shape; that run is not the device's work.
+        self._fake_mode_on_entry = active_fake_mode()
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         if any(_is_dtensor_type(t) for t in types):
             return NotImplemented
+        if active_fake_mode() is not self._fake_mode_on_entry:
+            return func(*args, **(kwargs or {}))
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is _aten.embedding.default:
             self.counter.token_ids += args[1].numel()
