@@ -205,3 +205,66 @@ def test_example_step_object(example_run: tuple[int, str, dict, str]) -> None:
     assert step["memory_bytes"]["Parameter"] > 0
     assert "step (the 2nd of 2, per device)" in out and "costliest collectives" in out
     assert ET.parse(svg).getroot().tag.endswith("svg")
+
+
+def _example():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import train_fsdp_tp
+
+    return train_fsdp_tp
+
+
+@pytest.mark.parametrize("preset, shape_name, params", [
+    ("llama3-8b", "LLAMA3_8B", 8_030_261_248),
+    ("llama3-70b", "LLAMA3_1_70B", 70_553_706_496),
+    ("llama3-405b", "LLAMA3_1_405B", 405_853_388_800),
+])
+def test_presets_have_the_published_parameter_counts(preset: str, shape_name: str,
+                                                     params: int) -> None:
+    """The example's model at each Llama preset (built on the meta device: no memory) has the
+    parameter count of Meta's released checkpoints (8,030,261,248; 70,553,706,496;
+    405,853,388,800: the safetensors index totals / 2 bytes) and of the step model's
+    DecoderShape. Qwen3-32B (64 heads of 128 on width 5120, 8 key/value heads, untied
+    output): 64 x (5120 x 8192 x 2 + 5120 x 1024 x 2 + 3 x 5120 x 25600 + 2 x 5120) +
+    2 x 151,936 x 5120 + 5120 = 32,762,106,880 (its QK-norm weights, 64 x 2 x 128 = 16,384,
+    are left out of the example)."""
+    from tpu_dist.compile_job import _estimate
+
+    ex = _example()
+    args = ex.parse_args(["--model", preset, "--seq-len", "8192"], extra=ex._options)
+    with torch.device("meta"):
+        model = ex.Decoder(ex.build_config(args))
+    count = sum(p.numel() for p in model.parameters())
+    assert count == params == getattr(_estimate, shape_name).params
+    args = ex.parse_args(["--model", "qwen3-32b"], extra=ex._options)
+    with torch.device("meta"):
+        model = ex.Decoder(ex.build_config(args))
+    assert sum(p.numel() for p in model.parameters()) == 32_762_106_880
+
+
+def test_layouts_the_model_cannot_take_are_refused_with_what_to_pass() -> None:
+    ex = _example()
+    config = ex.build_config(ex.parse_args(["--model", "llama3-8b"], extra=ex._options))
+    with pytest.raises(SystemExit, match="does not divide the model's 8 key/value heads"):
+        ex.check_layout(config, 1024, 16, 16384)
+    with pytest.raises(SystemExit, match="pass --dp 2048"):
+        ex.check_layout(config, 1000, 8, 16384)
+    ex.check_layout(config, 2048, 8, 16384)
+
+
+def test_fake_memory_estimate_matches_a_real_four_rank_run() -> None:
+    """Issue 31's memory target: the debug preset (grouped-query attention, bf16 mixed
+    precision, activation checkpointing, sequence 128) on 4 real CPU ranks (gloo, real tensors,
+    each rank under a StepMeter) against ``--compile-only`` of the same arguments on 4 devices
+    (fake tensors): rank 0's peak tensor bytes of the second step within 10 % (measured: equal,
+    to the byte), and the same FLOPs and tokens."""
+    pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from step_memory_check import compare
+
+    result = compare(["--model", "debug", "--seq-len", "128", "--tp", "2", "--mixed-precision",
+                      "bf16", "--activation-checkpointing", "--steps", "2"], real_backend="gloo")
+    real, fake = result["real"], result["fake"]
+    assert real["index"] == fake["index"] == 1
+    assert fake["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.10)
+    assert fake["flops"] == real["flops"] and fake["tokens"] == real["tokens"] == 128 / 2
