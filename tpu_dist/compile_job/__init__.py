@@ -20,7 +20,14 @@ ranks there), and reports on every collective the script issued. The pieces, in 
 4. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).
-4. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
+5. The measured step (:class:`StepMeter` around the script's run, :func:`step_report`): the
+   FLOPs, tokens and peak tensor memory of the script's last training step (torch's
+   ``FlopCounterMode`` and ``MemTracker`` on the fake tensors) and its collectives' estimated
+   times, overlappable (FSDP's, DDP's) or on the critical path (DTensor's, the script's): the
+   report's ``"step"`` object (compute, exposed communication, a step-time lower bound, MFU
+   bound, tokens/s, peak HBM against the generation's: "fits" or "short by X GiB") and a
+   picture (:func:`write_step_picture`, ``X.step.svg`` next to ``X.json``).
+6. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
    lower bound from the model's FLOPs at the device's peak and the communication that cannot
    overlap compute (pure arithmetic; see ``tpu_dist/compile_job/_estimate.py``).
 
