@@ -385,6 +385,10 @@ class StepReport:
                or "not tracked")
             + f"; largest program scratch {_gib(self.program_temp_bytes)}",
         ]
+        if self.unestimated:
+            lines.append(
+                f"({self.unestimated} kind(s) of collective in the step have no time: their "
+                "groups stay within one chip, whose die-to-die link the model does not price)")
         if self.costliest:
             lines.append("costliest collectives per step:")
             for c in self.costliest:
