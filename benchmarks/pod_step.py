@@ -53,7 +53,7 @@ CASES = {
 SEQ = 8192
 
 
-def run(name: str, limit_gib: float) -> dict:
+def run(name: str, limit_gib: float, steps: int = 2) -> dict:
     preset, topology, tp, seqs, published = CASES[name]
     devices = Topology.parse(topology).num_devices
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +62,7 @@ def run(name: str, limit_gib: float) -> dict:
                "tpu_dist.launch", "--emulate", topology, "--compile-only", "--compile-report",
                report_path, EXAMPLE, "--model", preset, "--tp", str(tp), "--seq-len", str(SEQ),
                "--seqs-per-dp-rank", str(seqs), "--mixed-precision", "bf16",
-               "--activation-checkpointing", "--steps", "2"]
+               "--activation-checkpointing", "--steps", str(steps)]
         started = time.monotonic()
         with open(os.path.join(tmp, "out"), "w") as fo, open(os.path.join(tmp, "err"), "w") as fe:
             proc = subprocess.Popen(cmd, stdout=fo, stderr=fe, cwd=tmp,
@@ -76,7 +76,7 @@ def run(name: str, limit_gib: float) -> dict:
         picture = open(svg).read() if os.path.exists(svg) else None
     row: dict = {
         "case": name, "preset": preset, "topology": topology, "devices": devices, "tp": tp,
-        "seqs_per_dp_rank": seqs, "exit": code, "wall_seconds": round(wall, 1),
+        "seqs_per_dp_rank": seqs, "steps": steps, "exit": code, "wall_seconds": round(wall, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
         "peak_rss_mib": usage.ru_maxrss // 1024,
         "load_average_1m": round(os.getloadavg()[0], 1),
@@ -133,10 +133,14 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["8b-pod", "70b-pod"], choices=sorted(CASES))
     parser.add_argument("--limit-gib", type=float, default=8.0,
                         help="address-space limit of the run (prlimit --as), GiB (default 8)")
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps the script runs (the report describes the last; default 2: "
+                             "a steady state. 1 halves the time; its step creates the optimizer "
+                             "state)")
     parser.add_argument("--out", default=None, help="append one JSON line per case here")
     args = parser.parse_args()
     for name in args.cases:
-        row = run(name, args.limit_gib)
+        row = run(name, args.limit_gib, args.steps)
         print(json.dumps(row, indent=1), flush=True)
         if args.out:
             with open(args.out, "a") as f:

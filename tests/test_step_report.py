@@ -257,7 +257,8 @@ def test_fake_memory_estimate_matches_a_real_four_rank_run() -> None:
     precision, activation checkpointing, sequence 128) on 4 real CPU ranks (gloo, real tensors,
     each rank under a StepMeter) against ``--compile-only`` of the same arguments on 4 devices
     (fake tensors): rank 0's peak tensor bytes of the second step within 10 % (measured: equal,
-    to the byte), and the same FLOPs and tokens."""
+    to the byte), and the same FLOPs and tokens. (With the "tpu" backend on CPU the real run
+    holds more: 1.29x at sequence 512, benchmarks/README.md E38.)"""
     pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from step_memory_check import compare
@@ -267,4 +268,5 @@ def test_fake_memory_estimate_matches_a_real_four_rank_run() -> None:
     real, fake = result["real"], result["fake"]
     assert real["index"] == fake["index"] == 1
     assert fake["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.10)
-    assert fake["flops"] == real["flops"] and fake["tokens"] == real["tokens"] == 128 / 2
+    # The default global batch, 8 sequences, over dp 2: 4 x 128 tokens per dp rank, over tp 2.
+    assert fake["flops"] == real["flops"] and fake["tokens"] == real["tokens"] == 4 * 128 / 2
