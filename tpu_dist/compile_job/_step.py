@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import active_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import (
     FlopCounterMode,
     _FlopCounterMode,
@@ -125,7 +126,7 @@ class _LocalFlops(FlopCounterMode):
         mode.__exit__(*args)
 
 
-class _DTensorTokens(torch.utils._python_dispatch.TorchDispatchMode):
+class _DTensorTokens(TorchDispatchMode):
     """Sees an embedding lookup on a DTensor before DTensor runs it, and notes how many ranks
     share its token ids (a Replicate input over a mesh of n ranks: n); the local lookup then
     counts ``ids / n`` (:class:`_LocalOpsMode`)."""
@@ -517,12 +518,12 @@ def step_svg(step: StepReport, title: str) -> str:
         rows.append((f"{c.calls} x {c.op} /{c.group_size} ({c.origin})", [(c.seconds, color, "")]))
     height = 70 + row_h * len(rows) + 40
     out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'font-family="sans-serif" font-size="12">',
+        (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'font-family="sans-serif" font-size="12">'),
         f'<rect width="{width}" height="{height}" fill="white"/>',
         f'<text x="10" y="20" font-size="14">{_xml(title)}</text>',
-        f'<text x="10" y="40">{_xml(f"step >= {_secs(e.step_seconds)}, MFU <= ")}'
-        f'{100 * e.mfu_bound:.1f} %, memory {_xml(step.hbm_verdict())}</text>',
+        (f'<text x="10" y="40">{_xml(f"step >= {_secs(e.step_seconds)}, MFU <= ")}'
+         f'{100 * e.mfu_bound:.1f} %, memory {_xml(step.hbm_verdict())}</text>'),
     ]
     y = 60
     for label, parts in rows:
