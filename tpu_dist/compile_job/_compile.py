@@ -398,4 +398,3 @@ def write_step_picture(report: CompileReport, report_path: str) -> str:
     with open(path, "w") as f:
         f.write(step_svg(report.step, title))
     return path
-
