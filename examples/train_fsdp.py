@@ -63,6 +63,11 @@ class ModelConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention: each serves n_heads / n_kv_heads query heads);
+    None: n_heads (multi-head attention)."""
+    head_dim: int | None = None
+    """Size of each head; None: dim / n_heads (Qwen3 sets it apart: 64 heads of 128 on 5120)."""
     ffn_hidden: int = 128
     """Hidden width of the SwiGLU MLP."""
     max_seq_len: int = 64
@@ -70,11 +75,26 @@ class ModelConfig:
     rope_theta: float = 10000.0
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads or (self.dim // self.n_heads) % 2:
+        if self.head_dim is None and (self.dim % self.n_heads or (self.dim // self.n_heads) % 2):
             raise ValueError(
                 f"dim must split into n_heads heads of even size, got dim={self.dim}, "
                 f"n_heads={self.n_heads}"
             )
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"head_dim must be even (rotary pairs), got {self.head_dim}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each key/value "
+                "head serves the same number of query heads)"
+            )
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.dim // self.n_heads if self.head_dim is None else self.head_dim
 
 
 class RMSNorm(nn.Module):
@@ -109,11 +129,12 @@ def apply_rotary(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.head_dim = config.dim // config.n_heads
-        self.wq = nn.Linear(config.dim, config.dim, bias=False)
-        self.wk = nn.Linear(config.dim, config.dim, bias=False)
-        self.wv = nn.Linear(config.dim, config.dim, bias=False)
-        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.head_dim = config.head_size
+        self.group = config.n_heads // config.kv_heads  # query heads per key/value head
+        self.wq = nn.Linear(config.dim, config.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(config.n_heads * self.head_dim, config.dim, bias=False)
         self.register_buffer(
             "rotary",
             rotary_tables(self.head_dim, config.max_seq_len, config.rope_theta),
@@ -127,6 +148,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq, -1, self.head_dim)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         q, k = apply_rotary(q, self.rotary), apply_rotary(k, self.rotary)
+        if self.group > 1:  # grouped-query attention: each key/value head serves `group` queries
+            k, v = k.repeat_interleave(self.group, dim=2), v.repeat_interleave(self.group, dim=2)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
@@ -394,6 +417,7 @@ def train(
     dp_size: int,
     dp_group: dist.ProcessGroup | None,
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    data: torch.Tensor | None = None,
 ) -> tuple[float | None, int]:
     """The training loop shared by the examples; returns the final loss and the step it is of.
 
@@ -401,7 +425,7 @@ def train(
     checkpoint's own loss and step are returned (the loss is None if it holds none).
 
     ``loss_context`` wraps the loss and its backward (``loss_parallel`` for vocab-sharded
-    logits).
+    logits). ``data``: the token stream batches are cut from (default: :func:`corpus`).
     """
     rank = dist.get_rank()
     batch_size = global_batch_size(args.batch_size, dp_size)
@@ -415,7 +439,7 @@ def train(
             if start >= args.steps:
                 print(f"nothing left to train: the checkpoint is at step {start} and --steps is {args.steps} "
                       f"(raise --steps to train further); its loss is the final loss", flush=True)
-    data = corpus()
+    data = corpus() if data is None else data
     for step in range(start + 1, args.steps + 1):
         began = time.perf_counter()
         inputs, targets = batch(data, step, batch_size, args.seq_len, args.seed)

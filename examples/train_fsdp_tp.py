@@ -19,9 +19,30 @@ Then FSDP2 shards every block and the root over dp. Run it::
     torchrun --nproc-per-node 4 examples/train_fsdp_tp.py --steps 20 --tp 2
     tpu-launch --emulate tpu7x:16x16x16 --compile-only examples/train_fsdp_tp.py  # 8,192 ranks
 
-The global batch defaults to one sequence per data-parallel rank, at least 8 (``--batch-size``),
-so it runs at any world size that ``--tp`` divides. Rank 0 prints the mesh (a summary beyond 64
-ranks), one line per step and, last, ``final loss X after N steps``.
+The global batch defaults to one sequence per data-parallel rank, at least 8 (``--batch-size``,
+or ``--seqs-per-dp-rank``), so it runs at any world size that ``--tp`` divides. Rank 0 prints the
+mesh (a summary beyond 64 ranks), the model, one line per step and, last, ``final loss X after N
+steps``.
+
+Real shapes (``--model``, the published dimensions; grouped-query attention with ``n_kv_heads``
+key/value heads; Qwen3's QK-norm is left out, its weights are 0.0004 % of the model)::
+
+    llama3-8b    dim 4096, 32 layers, 32 heads / 8 kv, FFN 14336, vocab 128256  (Llama 3 paper,
+    llama3-70b   dim 8192, 80 layers, 64 heads / 8 kv, FFN 28672, vocab 128256   table 3; vocab
+    llama3-405b  dim 16384, 126 layers, 128 heads / 8 kv, FFN 53248, vocab 128256 and RoPE 5e5
+                                                                                  from the configs)
+    qwen3-32b    dim 5120, 64 layers, 64 heads of 128 / 8 kv, FFN 25600, vocab 151936 (its config)
+    debug        dim 256, 2 layers, 8 heads / 2 kv, FFN 512, vocab 2048 (runs on 4 CPU ranks)
+
+They are for ``--compile-only`` (fake tensors: no memory, no compute), e.g. TorchTitan's Llama 3
+8B layout on 8,192 TPU7x chips::
+
+    tpu-launch --emulate tpu7x:16x16x32 --compile-only --compile-report plan.json \
+        examples/train_fsdp_tp.py --model llama3-8b --tp 8 --seq-len 8192 --seqs-per-dp-rank 1 \
+        --mixed-precision bf16 --activation-checkpointing --steps 2
+
+Tokens: the bundled text while a sequence fits in it (byte tokens), else random tokens of the
+model's vocabulary (``--synthetic`` forces them).
 """
 
 from __future__ import annotations
@@ -44,6 +65,8 @@ from torch.distributed.tensor.parallel import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_fsdp import (  # noqa: E402
     Decoder,
+    ModelConfig,
+    corpus,
     describe_mesh,
     global_batch_size,
     leave,
@@ -93,21 +116,95 @@ def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True
         parallelize_module(block, tp_mesh, block_plan)
 
 
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                      vocab_size=128256, rope_theta=500000.0),
+    "llama3-70b": dict(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                       vocab_size=128256, rope_theta=500000.0),
+    "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
+                        vocab_size=128256, rope_theta=500000.0),
+    "qwen3-32b": dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
+                      ffn_hidden=25600, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6),
+    "debug": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=512, vocab_size=2048),
+}
+"""``--model``: the published dimensions (module docstring)."""
+
+
+def _options(parser) -> None:
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (default: 2)")
+    parser.add_argument("--dp", type=int, default=None,
+                        help="data-parallel (FSDP) degree; dp x tp must be the world size "
+                             "(default: world size / tp)")
+    parser.add_argument("--model", choices=sorted(PRESETS), default=None,
+                        help="a model of published dimensions (module docstring); default: the "
+                             "small model of --dim/--layers/--heads")
+    parser.add_argument("--seqs-per-dp-rank", type=int, default=None,
+                        help="sequences per data-parallel rank per step (instead of --batch-size)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in the backward")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="random tokens instead of the bundled text")
+
+
+def build_config(args) -> ModelConfig:
+    """The model ``--model`` names (at ``--seq-len``), or the small one of the other flags."""
+    if args.model is None:
+        return model_config(args)
+    return ModelConfig(**PRESETS[args.model], max_seq_len=args.seq_len)
+
+
+def check_layout(config: ModelConfig, dp: int, tp: int, world: int) -> None:
+    """Raise SystemExit (saying what to pass) for a (dp, tp) layout the model cannot take."""
+    if dp * tp != world:
+        raise SystemExit(f"--dp {dp} x --tp {tp} = {dp * tp} is not the world size {world}; "
+                         f"pass --dp {world // tp} or leave --dp out")
+    for name, heads in (("query", config.n_heads), ("key/value", config.kv_heads)):
+        if heads % tp:
+            raise SystemExit(
+                f"--tp {tp} does not divide the model's {heads} {name} heads (each tp rank "
+                f"computes whole heads); use a --tp that divides {heads}"
+            )
+    for name, size in (("vocab", config.vocab_size), ("FFN width", config.ffn_hidden)):
+        if size % tp:
+            raise SystemExit(f"--tp {tp} does not divide the model's {name} {size}")
+
+
+def token_stream(args, config: ModelConfig) -> torch.Tensor:
+    """The bundled text when a sequence fits in it, else (or with ``--synthetic``) seeded random
+    tokens of the model's vocabulary, at least 65,536 (fake, so free, under --compile-only)."""
+    text = corpus()
+    if not args.synthetic and args.seq_len + 2 <= len(text) and config.vocab_size >= 256:
+        return text
+    g = torch.Generator().manual_seed(args.seed)
+    return torch.randint(0, config.vocab_size, (max(4 * (args.seq_len + 1), 1 << 16),), generator=g)
+
+
 def main(argv: list[str] | None = None) -> str:
     """Train; return the backend the group ran on (the group is destroyed by then)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    args = parse_args(argv, __doc__, extra=lambda p: p.add_argument(
-        "--tp", type=int, default=2, help="tensor-parallel degree (default: 2)"))
+    args = parse_args(argv, __doc__, extra=_options)
+    config = build_config(args)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     if world % args.tp:
         raise SystemExit(f"--tp {args.tp} does not divide the world size {world}")
-    batch_size = global_batch_size(args.batch_size, world // args.tp)  # a bad flag fails before any work
-    mesh = init_device_mesh((world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+    dp = args.dp if args.dp is not None else world // args.tp
+    check_layout(config, dp, args.tp, world)
+    if args.seqs_per_dp_rank is not None:
+        if args.batch_size is not None:
+            raise SystemExit("pass --batch-size or --seqs-per-dp-rank, not both")
+        args.batch_size = args.seqs_per_dp_rank * dp
+    batch_size = global_batch_size(args.batch_size, dp)  # a bad flag fails before any work
+    mesh = init_device_mesh((dp, args.tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(args.seed)
-    model = Decoder(model_config(args))
+    model = Decoder(config)
+    params = sum(p.numel() for p in model.parameters())
     apply_tensor_parallel(model, mesh["tp"])
+    if args.activation_checkpointing:
+        for i, block in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(block)
     policy = MixedPrecisionPolicy(
         param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
         reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None,
@@ -117,9 +214,14 @@ def main(argv: list[str] | None = None) -> str:
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     if rank == 0:
         print(f"FSDP2 x TP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "
+              f"model {args.model or 'small'} ({params / 1e9:.3g} B parameters, "
+              f"{config.n_layers} layers, {config.n_heads} heads / {config.kv_heads} kv), "
+              f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, "
+              f"mixed precision {args.mixed_precision}, "
               f"global batch {batch_size}x{args.seq_len}", flush=True)
     dp_rank = mesh.get_local_rank("dp")
-    final, step = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"), loss_context=loss_parallel)
+    final, step = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"),
+                        loss_context=loss_parallel, data=token_stream(args, config))
     if rank == 0:
         report_final(final, step)
     backend = dist.get_backend()

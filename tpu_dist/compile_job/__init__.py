@@ -20,7 +20,14 @@ ranks there), and reports on every collective the script issued. The pieces, in 
 4. :class:`CompileReport`: per collective, whether it compiled, the HLO collectives it became,
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).
-4. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
+5. The measured step (:class:`StepMeter` around the script's run, :func:`step_report`): the
+   FLOPs, tokens and peak tensor memory of the script's last training step (torch's
+   ``FlopCounterMode`` and ``MemTracker`` on the fake tensors) and its collectives' estimated
+   times, overlappable (FSDP's, DDP's) or on the critical path (DTensor's, the script's): the
+   report's ``"step"`` object (compute, exposed communication, a step-time lower bound, MFU
+   bound, tokens/s, peak HBM against the generation's: "fits" or "short by X GiB") and a
+   picture (:func:`write_step_picture`, ``X.step.svg`` next to ``X.json``).
+6. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
    lower bound from the model's FLOPs at the device's peak and the communication that cannot
    overlap compute (pure arithmetic; see ``tpu_dist/compile_job/_estimate.py``).
 
@@ -39,6 +46,7 @@ from tpu_dist.compile_job._compile import (
     CompileReport,
     estimate_seconds,
     write_report,
+    write_step_picture,
 )
 from tpu_dist.compile_job._estimate import (
     CollectiveTime,
@@ -53,6 +61,7 @@ from tpu_dist.compile_job._estimate import (
     step_estimate,
 )
 from tpu_dist.compile_job._fake import LargeTensorsFake
+from tpu_dist.compile_job._step import StepMeter, StepRecord, StepReport, step_report
 from tpu_dist.compile_job._session import (
     Session,
     activate,
@@ -70,6 +79,9 @@ __all__ = [
     "Session",
     "StepCollective",
     "StepEstimate",
+    "StepMeter",
+    "StepRecord",
+    "StepReport",
     "activate",
     "active_session",
     "collective_time",
@@ -80,8 +92,10 @@ __all__ = [
     "flops_per_token",
     "fsdp_tp_collectives",
     "step_estimate",
+    "step_report",
     "world_devices",
     "write_report",
+    "write_step_picture",
 ]
 
 COMPILE_ONLY_ENV = _settings.COMPILE_ONLY.env

@@ -103,6 +103,11 @@ class CompiledCall:
     """Where the script first issued it (``file:line (code)``)."""
     error: str | None
     """The compiler's message, if it did not compile."""
+    origin: str = "script"
+    """Who issued it: ``fsdp``, ``ddp``, ``tensor`` (DTensor) or ``script``."""
+    overlappable: bool = False
+    """Whether it can run under compute (FSDP's, DDP's) or sits on the critical path
+    (:data:`tpu_dist.compile_job._recording.OVERLAPPABLE_ORIGINS`)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"hlo_collectives": list(self.hlo_collectives)}
@@ -119,6 +124,8 @@ class CompileReport:
     collectives: tuple[CompiledCall, ...]
     script_seconds: float
     compile_seconds: float
+    step: Any = None
+    """The measured step (:class:`~._step.StepReport`), if the script completed one."""
 
     @property
     def ok(self) -> bool:
@@ -133,6 +140,7 @@ class CompileReport:
             "rank": self.rank,
             "script_seconds": round(self.script_seconds, 3),
             "compile_seconds": round(self.compile_seconds, 3),
+            "step": None if self.step is None else self.step.to_json(),
             "collectives": [c.to_json() for c in self.collectives],
         }
 
@@ -169,6 +177,8 @@ class CompileReport:
                 lines.append(f"\nFAILED {c.op} over {_over(c.group_size, c.family_groups)}, "
                              "first issued at "
                              f"{c.first_call}:\n  {c.error}")
+        if self.step is not None:
+            lines += ["", *self.step.format_lines()]
         lines.append("")
         lines.append("group: the group's size; 'N xG': one program for the G groups of N of its "
                      "mesh dimension (a family program). est/call: message size over the "
@@ -370,6 +380,8 @@ def compile_calls(
             program=call.key.kind,
             first_call=str(call.first_site) if call.first_site else "?",
             error=error,
+            origin=call.origin,
+            overlappable=call.overlappable,
         ))
     return CompileReport(
         topology=libtpu_topology(topology),
@@ -388,3 +400,23 @@ def write_report(report: CompileReport, path: str) -> None:
         json.dump(report.to_json(), f, indent=1)
         f.write("\n")
 
+
+def write_step_picture(report: CompileReport, report_path: str) -> str:
+    """Write where ``report``'s step goes (compute, exposed and hidden communication, the
+    costliest collectives) as an SVG drawing next to the JSON report (``X.json`` ->
+    ``X.step.svg``); returns its path.
+
+    Raises:
+        ValueError: the report has no step (the script completed no optimizer step).
+    """
+    from tpu_dist.compile_job._step import step_svg
+
+    if report.step is None:
+        raise ValueError("the report has no step (the script completed no optimizer step)")
+    base = report_path[:-5] if report_path.endswith(".json") else report_path
+    path = base + ".step.svg"
+    title = (f"{report.topology} x {report.num_slices} slice(s), {report.num_devices} devices: "
+             "one step per device (tpu-launch --compile-only)")
+    with open(path, "w") as f:
+        f.write(step_svg(report.step, title))
+    return path

@@ -18,6 +18,7 @@ reports.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -60,7 +61,17 @@ class RecordedCall:
     header the backend adds of its own)."""
     first_site: CallSite | None
     """Where the call was first issued."""
+    origin: str = "script"
+    """Who issued it (:func:`_origin`): ``fsdp``, ``ddp``, ``tensor`` (DTensor / tensor
+    parallelism) or ``script``."""
     count: int = 0
+    per_step: dict[int, int] = field(default_factory=dict)
+    """Calls per step: step index (:attr:`Recorder.step` when issued) -> calls."""
+
+    @property
+    def overlappable(self) -> bool:
+        """Whether the call can run under compute (the rule: :data:`OVERLAPPABLE_ORIGINS`)."""
+        return self.origin in OVERLAPPABLE_ORIGINS
 
     @property
     def mesh_dim(self) -> str | None:
@@ -88,10 +99,14 @@ def _np_name(dtype: str) -> str:
 
 @dataclass
 class Recorder:
-    """Every collective this process issued, merged by (op, reduce op, group, program)."""
+    """Every collective this process issued, merged by (op, reduce op, group, program, origin)."""
 
     calls: dict[tuple, RecordedCall] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    step: int = 0
+    """The training step being run: each call is counted under it too
+    (:attr:`RecordedCall.per_step`). Advanced by :class:`~._step.StepMeter` at each optimizer
+    step; 0 throughout when no meter runs."""
 
     def add(
         self, op: str, group_ranks: Sequence[int], group_desc: str, key: ProgramKey,
@@ -99,16 +114,19 @@ class Recorder:
     ) -> None:
         """Count one call of ``op`` on the group of ``group_ranks`` running ``key``'s program."""
         reduce_op = key.reduce_op
-        ident = (op, reduce_op, tuple(group_ranks), key)
+        origin = _origin()
+        ident = (op, reduce_op, tuple(group_ranks), key, origin)
         with self.lock:
             call = self.calls.get(ident)
             if call is None:
                 call = RecordedCall(
                     op, reduce_op, tuple(group_ranks), group_desc, key,
                     key.blocks if data_blocks is None else data_blocks, _user_call_site(),
+                    origin,
                 )
                 self.calls[ident] = call
             call.count += 1
+            call.per_step[self.step] = call.per_step.get(self.step, 0) + 1
 
     def recorded(self) -> list[RecordedCall]:
         """The distinct calls, in the order they were first issued."""
@@ -120,6 +138,39 @@ _OWN_CODE = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # tpu_dist/
     os.path.dirname(os.path.abspath(torch.__file__)),
 )
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_ORIGINS = (
+    (os.path.join(_TORCH_DIR, "distributed", "fsdp") + os.sep, "fsdp"),
+    (os.path.join(_TORCH_DIR, "nn", "parallel") + os.sep, "ddp"),
+    (os.path.join(_TORCH_DIR, "distributed", "tensor") + os.sep, "tensor"),
+)
+OVERLAPPABLE_ORIGINS = frozenset({"fsdp", "ddp"})
+"""The overlap rule. FSDP's collectives (FSDP2 prefetches the next unit's all-gather while
+the current one computes and reduce-scatters gradients while the backward goes on) and DDP's
+bucketed gradient all-reduces are built to run under compute: overlappable. Everything else
+sits on the critical path: DTensor's collectives (tensor parallelism's activation all-reduces,
+sequence parallelism's all-gathers and reduce-scatters, ``loss_parallel``'s reductions: the
+next op needs their result) and the script's own calls (a loss all-reduce, a barrier)."""
+
+
+def _origin() -> str:
+    """Who issued the call being recorded: the innermost frame of torch's FSDP, DDP or
+    DTensor code on the stack (``fsdp``, ``ddp``, ``tensor``), else ``script``.
+
+    Innermost first: a DTensor collective in a block's forward runs under FSDP2's hooks further
+    out, and is DTensor's; FSDP2's all-gathers of DTensor parameters are FSDP's.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path.startswith(_TORCH_DIR):
+            for prefix, name in _ORIGINS:
+                if path.startswith(prefix):
+                    return name
+        frame = frame.f_back
+    return "script"
 
 
 def _user_call_site() -> CallSite | None:

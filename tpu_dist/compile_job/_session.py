@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 from tpu_dist.collectives import pipelines
 from tpu_dist.compile_job._compile import CompileReport, Compiler, compile_calls, libtpu_topology
 from tpu_dist.compile_job._recording import RecordedCall, Recorder, RecordingPipeline
+from tpu_dist.compile_job._step import StepMeter, step_report
 from tpu_dist.mesh import Topology
 
 
@@ -29,6 +31,8 @@ class Session:
         self._lock = threading.Lock()
         self._previous: pipelines.PipelineSource | None = None
         self._compiler: Compiler | None = None
+        self.meter: StepMeter | None = None
+        """The step meter around the script's run, if one ran (:meth:`measure_steps`)."""
 
     # -- the pipeline source ---------------------------------------------------------------
 
@@ -96,6 +100,12 @@ class Session:
             self._compiler = Compiler(self._world[0])
             self._compiler.start()
 
+    def measure_steps(self, *, track_memory: bool = True) -> StepMeter:
+        """A :class:`~._step.StepMeter` for the script's run (enter it around the run, inside
+        the fake-tensor mode); :meth:`compile` then reports its last step."""
+        self.meter = StepMeter(self.recorder, track_memory=track_memory)
+        return self.meter
+
     def recorded(self) -> list[RecordedCall]:
         """The distinct calls recorded so far, in the order first issued."""
         return self.recorder.recorded()
@@ -119,7 +129,16 @@ class Session:
             )
         topology, _ = self._world
         compiler, self._compiler = self._compiler, None
-        return compile_calls(self.recorded(), topology, rank, script_seconds, progress, compiler)
+        calls = self.recorded()
+        report = compile_calls(calls, topology, rank, script_seconds, progress, compiler)
+        record = self.meter.chosen() if self.meter is not None else None
+        if record is None:
+            return report
+        step = step_report(
+            record, len(self.meter.steps), list(report.collectives),
+            [c.per_step.get(record.index, 0) for c in calls], topology,
+        )
+        return dataclasses.replace(report, step=step)
 
 
 _active: Session | None = None

@@ -174,11 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     store = _serve_store()
     started = time.monotonic()
     if real_tensors:
-        code = _run_script(mode, target, args)
+        with session.measure_steps():
+            code = _run_script(mode, target, args)
     else:
         from tpu_dist.compile_job import LargeTensorsFake
 
-        with LargeTensorsFake() as fake:
+        with LargeTensorsFake() as fake, session.measure_steps():
             code = _run_script(mode, target, args)
         print(
             f"tpu-launch --compile-only: ran with fake tensors ({fake.faked} made fake, "
@@ -202,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     if report_path:
         compile_job.write_report(report, report_path)
         print(f"tpu-launch --compile-only: wrote {report_path}", file=sys.stderr)
+        if report.step is not None:
+            picture = compile_job.write_step_picture(report, report_path)
+            print(f"tpu-launch --compile-only: wrote {picture} (where a step's time goes)",
+                  file=sys.stderr)
     del store
     if code:
         print(f"tpu-launch --compile-only: the script exited with code {code}", file=sys.stderr)

@@ -1,0 +1,555 @@
+"""One training step of a compile-only run, measured while the script runs: FLOPs, memory, tokens.
+
+:class:`StepMeter` wraps the script's run (inside :class:`~._fake.LargeTensorsFake`, so it sees
+fake tensors and costs no memory) and cuts it into steps: **a step ends when an optimizer's
+``step()`` returns** (torch's global optimizer hook), and the next begins there. Per step it
+keeps:
+
+* **FLOPs**, counted with torch's :class:`~torch.utils.flop_counter.FlopCounterMode` on the ops
+  this rank runs. A DTensor op is counted once, on its local shards: the counter's dispatch
+  mode passes DTensor ops on to DTensor (as torch's ``MemTracker`` does) and counts the local
+  ops DTensor then runs, so the count is per device, not the global op's; the global op that
+  DTensor's sharding propagation runs under a fake mode of its own (to learn the output's
+  shape) is not counted either (MemTracker's rule: only ops under the fake mode that was
+  active when counting began). Without both, a sharded matmul counts 5x its shard's FLOPs on
+  4 ranks (measured, ``tests/test_step_report.py``). CPU attention
+  (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what the script runs on the
+  host) is counted with torch's own attention formulas, which it lacks for that kernel: the
+  forward's two ``s x s`` matmuls over the whole square (no causal discount, as TorchTitan
+  counts) and a backward of five (it recomputes the scores, as flash attention does on a TPU),
+  so attention counts 7/6 of TorchTitan's analytic ``12 L H d_h s``. With activation
+  checkpointing the recomputed forward is counted too: these are the FLOPs the device executes.
+* **Tokens**: the token ids that go through the step's embedding lookups (``aten.embedding``),
+  over the ranks that share them: a DTensor input replicated over a mesh (tensor parallelism's
+  embedding) counts ``1 / mesh size`` per rank, TorchTitan's tokens per device.
+* **Peak tensor bytes**, tracked by torch's :class:`~torch.distributed._tools.mem_tracker.
+  MemTracker` (parameters, gradients, optimizer state, activations, temporaries), from the
+  step's first module forward (so building the unsharded model before sharding it is not part
+  of any step) to its end.
+* **Collectives**: the recorder (:class:`~._recording.Recorder`) counts each call under the
+  step it was issued in (:attr:`~._recording.RecordedCall.per_step`).
+
+:func:`step_report` turns the chosen step (the last one completed: from the second step on,
+that is a steady state) and the compiled collectives into the report's ``"step"`` object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from copy import deepcopy
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch._guards import active_fake_mode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    _FlopCounterMode,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
+
+from tpu_dist.compile_job._estimate import StepEstimate, step_estimate
+
+if TYPE_CHECKING:
+    from tpu_dist.compile_job._compile import CompiledCall
+    from tpu_dist.compile_job._recording import Recorder
+    from tpu_dist.mesh import Topology
+
+__all__ = ["StepMeter", "StepRecord", "StepReport", "step_report"]
+
+_aten = torch.ops.aten
+
+
+def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
+                   **kwargs: Any) -> int:
+    return sdpa_flop_count(query, key, value)
+
+
+def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
+                            out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
+_CPU_ATTENTION = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
+"""torch's attention formulas for the CPU kernel they are not registered for (torch 2.13)."""
+
+
+def _is_dtensor_type(t: type) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return issubclass(t, DTensor)
+
+
+class _LocalOpsMode(_FlopCounterMode):
+    """The counter's dispatch mode, leaving DTensor ops to DTensor and counting the local ops
+    it runs (each op once, per device: module docstring)."""
+
+    def __init__(self, counter: _LocalFlops) -> None:
+        super().__init__(counter)
+        # As MemTracker does: DTensor's sharding propagation runs the global op under a fake
+        # mode of its own to learn the output's shape; that run is not the device's work.
+        self._fake_mode_on_entry = active_fake_mode()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if any(_is_dtensor_type(t) for t in types):
+            return NotImplemented
+        if active_fake_mode() is not self._fake_mode_on_entry:
+            return func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func is _aten.embedding.default:
+            self.counter.token_ids += args[1].numel()
+        return out
+
+
+class _LocalFlops(FlopCounterMode):
+    """:class:`FlopCounterMode` over local ops only, everything under ``"Global"`` (no module
+    hierarchy: its module hooks cost time at every forward and are not needed here)."""
+
+    def __init__(self) -> None:
+        super().__init__(display=False, custom_mapping=_CPU_ATTENTION)
+        self.token_ids = 0.0
+        """Token ids looked up, each counted over the ranks that share it (module doc)."""
+
+    def __enter__(self) -> _LocalFlops:
+        self.flop_counts.clear()
+        self.mode = _LocalOpsMode(self)
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        mode, self.mode = self.mode, None
+        mode.__exit__(*args)
+
+
+class _DTensorTokens(TorchDispatchMode):
+    """Sees an embedding lookup on a DTensor before DTensor runs it, and notes how many ranks
+    share its token ids (a Replicate input over a mesh of n ranks: n); the local lookup then
+    counts ``ids / n`` (:class:`_LocalOpsMode`)."""
+
+    def __init__(self, counter: _LocalFlops) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        if func is _aten.embedding.default and any(_is_dtensor_type(t) for t in types):
+            ids = args[1]
+            shared = 1
+            if _is_dtensor_type(type(ids)):
+                for size, placement in zip(ids.device_mesh.shape, ids.placements):
+                    if placement.is_replicate():
+                        shared *= size
+            before = self.counter.token_ids
+            out = func(*args, **(kwargs or {}))
+            added = self.counter.token_ids - before
+            self.counter.token_ids = before + added / shared
+            return out
+        return func(*args, **(kwargs or {}))
+
+
+def _peak_tracker() -> Any:
+    """A :class:`MemTracker` whose peak can be restarted at a step's start (None if torch's
+    tracker is missing)."""
+    try:
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+    except ImportError:  # pragma: no cover - torch without the tracker
+        return None
+
+    class _PeakTracker(MemTracker):
+        def restart_peak(self) -> None:
+            """The peak from now on (what ``__enter__`` does)."""
+            snap = self.get_tracker_snapshot("current")
+            self._peak_mem_snap = snap
+            self._peak_mem = {dev: s[_TOTAL_KEY] for dev, s in snap.items()}
+
+        def peak(self) -> tuple[int, dict[str, int]]:
+            """Peak bytes over every device since :meth:`restart_peak`, and what they held."""
+            total, kinds = 0, {}
+            for dev_snap in self._peak_mem_snap.values():
+                total += dev_snap[_TOTAL_KEY]
+                for k, v in dev_snap.items():
+                    if k != _TOTAL_KEY and v:
+                        name = getattr(k, "value", str(k))
+                        kinds[name] = kinds.get(name, 0) + v
+            return total, kinds
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # The overall peak only: MemTracker's per-module peaks look at every module on
+            # every op (minutes at 126 layers) and are not reported here.
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # a root module again in the same step (grad accum)
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+    return _PeakTracker()
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepRecord:
+    """What one step of the script did on this rank."""
+
+    index: int
+    """0 for the first step."""
+    flops: int
+    """FLOPs this rank ran in the step (module docstring)."""
+    tokens: float
+    """Tokens this device is credited with (module docstring); 0 if no embedding ran."""
+    peak_bytes: int | None
+    """Peak tensor bytes in the step; None when memory was not tracked."""
+    peak_breakdown: dict[str, int]
+    """What the peak held: ``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``,
+    ... (MemTracker's kinds) -> bytes."""
+
+
+class StepMeter:
+    """Measures each step of the script it wraps (module docstring). A context manager, entered
+    inside :class:`~._fake.LargeTensorsFake` on the thread that runs the script.
+
+    Args:
+        recorder: The session's recorder; its :attr:`~._recording.Recorder.step` is advanced
+            at each step's end.
+        track_memory: Track tensor bytes with MemTracker (default True).
+    """
+
+    def __init__(self, recorder: Recorder | None = None, *, track_memory: bool = True) -> None:
+        self.recorder = recorder
+        self.steps: list[StepRecord] = []
+        """Every completed step, in order."""
+        self._flops = _LocalFlops()
+        self._tokens = _DTensorTokens(self._flops)
+        self._memory = _peak_tracker() if track_memory else None
+        self._hooks: list[Any] = []
+        self._flops_at_start = 0
+        self._tokens_at_start = 0.0
+        self._fresh = True  # no module forward yet in this step
+
+    def __enter__(self) -> StepMeter:
+        from torch.nn.modules.module import register_module_forward_pre_hook
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        # The token mode on top: it must see a DTensor lookup before MemTracker (which passes
+        # DTensor ops on to DTensor unseen by the modes below it) does.
+        self._flops.__enter__()
+        if self._memory is not None:
+            self._memory.__enter__()
+        self._tokens.__enter__()
+        self._hooks = [
+            register_optimizer_step_post_hook(self._step_done),
+            register_module_forward_pre_hook(self._forward),
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._tokens.__exit__(*exc)
+        if self._memory is not None:
+            self._memory.__exit__(*exc)
+        self._flops.__exit__(*exc)
+
+    def _forward(self, module: Any, inputs: Any) -> None:
+        if self._fresh:
+            self._fresh = False
+            if self._memory is not None:
+                self._memory.restart_peak()
+
+    def _step_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        flops = self._flops.get_total_flops()
+        tokens = self._flops.token_ids
+        peak, kinds = self._memory.peak() if self._memory is not None else (None, {})
+        self.steps.append(StepRecord(
+            index=len(self.steps), flops=flops - self._flops_at_start,
+            tokens=tokens - self._tokens_at_start, peak_bytes=peak, peak_breakdown=kinds,
+        ))
+        self._flops_at_start, self._tokens_at_start = flops, tokens
+        self._fresh = True
+        if self._memory is not None:
+            # The next forward of the root module is a new step, not the error MemTracker
+            # raises for a module run twice.
+            self._memory.reset_mod_stats()
+        if self.recorder is not None:
+            self.recorder.step = len(self.steps)
+
+    def chosen(self) -> StepRecord | None:
+        """The step the report describes: the last one completed (None: no optimizer step)."""
+        return self.steps[-1] if self.steps else None
+
+
+# -- the report's "step" object ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepCost:
+    """One recorded collective's share of the step."""
+
+    op: str
+    group_size: int
+    mesh_dim: str | None
+    bytes_per_rank: int
+    origin: str
+    overlappable: bool
+    calls: int
+    """Calls in the step."""
+    seconds: float
+    """``calls * est_seconds``."""
+    first_call: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """The report's ``"step"`` object: the estimate (:class:`StepEstimate`'s nine fields first)
+    and what it was made of."""
+
+    estimate: StepEstimate
+    step_index: int
+    """Which step (0-based) of ``steps_run`` was measured: the last completed."""
+    steps_run: int
+    tokens_per_device: float
+    peak_flops_per_s: float
+    tensor_peak_bytes: int | None
+    """MemTracker's peak of the step (``hbm_peak_bytes`` less ``program_temp_bytes``)."""
+    memory: dict[str, int]
+    """What the tensor peak held, by MemTracker's kind (bytes)."""
+    program_temp_bytes: int
+    """The largest scratch (``temp_bytes``) of the programs the step runs."""
+    costs: tuple[StepCost, ...]
+    """Every collective the step issued, costliest first."""
+    unestimated: int
+    """Collective kinds of the step with no time (did not compile is not one of them)."""
+
+    @property
+    def costliest(self) -> tuple[StepCost, ...]:
+        """The five collectives costing most per step."""
+        return self.costs[:5]
+
+    @property
+    def fits(self) -> bool | None:
+        e = self.estimate
+        if e.hbm_peak_bytes is None or e.hbm_capacity_bytes is None:
+            return None
+        return e.hbm_peak_bytes <= e.hbm_capacity_bytes
+
+    def hbm_verdict(self) -> str:
+        """``fits (X of Y GiB)``, ``short by X GiB (...)`` or ``unknown``."""
+        e = self.estimate
+        if self.fits is None:
+            return "unknown"
+        need, have = e.hbm_peak_bytes / 2**30, e.hbm_capacity_bytes / 2**30
+        if self.fits:
+            return f"fits ({need:.1f} of {have:.1f} GiB)"
+        return f"short by {need - have:.1f} GiB (needs {need:.1f}, has {have:.1f} GiB)"
+
+    def to_json(self) -> dict[str, Any]:
+        return self.estimate.to_json() | {
+            "hbm_fits": self.fits,
+            "hbm_verdict": self.hbm_verdict(),
+            "step_index": self.step_index,
+            "steps_run": self.steps_run,
+            "tokens_per_device": self.tokens_per_device,
+            "peak_flops_per_s": self.peak_flops_per_s,
+            "tensor_peak_bytes": self.tensor_peak_bytes,
+            "memory_bytes": self.memory,
+            "program_temp_bytes": self.program_temp_bytes,
+            "collectives": [c.to_json() for c in self.costs],
+            "unestimated_collectives": self.unestimated,
+            "rules": STEP_RULES,
+        }
+
+    def format_lines(self) -> list[str]:
+        """A short summary for the terminal table."""
+        e = self.estimate
+        lines = [
+            f"step (the {_ordinal(self.step_index + 1)} of {self.steps_run}, per device): "
+            f"{e.flops_per_device / 1e12:.4g} TFLOP, compute {_secs(e.compute_seconds)} at "
+            f"peak, communication {_secs(e.comm_seconds)} of which {_secs(e.exposed_comm_seconds)}"
+            f" exposed; step >= {_secs(e.step_seconds)}, MFU <= {100 * e.mfu_bound:.1f} %, "
+            f"<= {e.tokens_per_second_per_device:,.0f} tokens/s per device",
+            f"memory per device: {self.hbm_verdict()}; tensors at peak "
+            + (", ".join(f"{k} {_gib(v)}" for k, v in sorted(self.memory.items(),
+                                                              key=lambda kv: -kv[1]))
+               or "not tracked")
+            + f"; largest program scratch {_gib(self.program_temp_bytes)}",
+        ]
+        if self.unestimated:
+            lines.append(
+                f"({self.unestimated} kind(s) of collective in the step have no time: their "
+                "groups stay within one chip, whose die-to-die link the model does not price)")
+        if self.costliest:
+            lines.append("costliest collectives per step:")
+            for c in self.costliest:
+                lines.append(
+                    f"  {_secs(c.seconds):>9}  {c.calls:>4} x {c.op} over {c.group_size} "
+                    f"({c.mesh_dim or '-'}, {c.origin}, "
+                    f"{'overlappable' if c.overlappable else 'critical path'}), "
+                    f"{_gib(c.bytes_per_rank)}/rank"
+                )
+        return lines
+
+
+STEP_RULES = (
+    "flops: FlopCounterMode on this rank's local ops (DTensor ops once, on their shards; "
+    "attention without causal discount, backward recomputing the scores; recomputation under "
+    "activation checkpointing included); compute_seconds: flops at the device's peak bf16 "
+    "rate; collectives: each call's est_seconds, FSDP's and DDP's overlappable (hidden up to "
+    "compute_seconds), DTensor's (tensor parallelism) and the script's own on the critical "
+    "path; step_seconds = compute + exposed, a lower bound; mfu_bound = flops / (step_seconds "
+    "* peak); hbm_peak_bytes = MemTracker's peak tensor bytes in the step + the largest "
+    "program scratch (temp_bytes); XLA's fusion buffers for compute are not included"
+)
+
+
+def _ordinal(n: int) -> str:
+    return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
+
+
+def _secs(s: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if s >= scale:
+            return f"{s / scale:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _gib(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def step_report(
+    record: StepRecord,
+    steps_run: int,
+    rows: list[CompiledCall],
+    per_step_calls: list[int],
+    topology: Topology,
+) -> StepReport | None:
+    """The ``"step"`` object for ``record`` (module docstring).
+
+    Args:
+        record: The measured step.
+        steps_run: How many steps the script completed.
+        rows: The report's collectives.
+        per_step_calls: For each row, its calls in ``record``'s step.
+        topology: The target world (the generation's peak FLOP/s and HBM).
+
+    Returns:
+        None when the generation has no peak FLOP/s figure.
+    """
+    gen = topology.generation
+    peak = gen.peak_bf16_flops_per_device
+    if peak is None:
+        return None
+    costs, overlappable, critical, unestimated, temp = [], 0.0, 0.0, 0, 0
+    for row, calls in zip(rows, per_step_calls):
+        if not calls:
+            continue
+        if row.temp_bytes is not None:
+            temp = max(temp, row.temp_bytes)
+        if row.est_seconds is None:
+            unestimated += 1
+            continue
+        seconds = calls * row.est_seconds
+        if row.overlappable:
+            overlappable += seconds
+        else:
+            critical += seconds
+        costs.append(StepCost(
+            op=row.op, group_size=row.group_size, mesh_dim=row.mesh_dim,
+            bytes_per_rank=row.bytes_per_rank, origin=row.origin,
+            overlappable=row.overlappable, calls=calls, seconds=seconds,
+            first_call=row.first_call,
+        ))
+    hbm_peak = None if record.peak_bytes is None else record.peak_bytes + temp
+    estimate = step_estimate(
+        flops_per_device=record.flops,
+        peak_flops_per_s=peak,
+        tokens_per_device=record.tokens,
+        overlappable_comm_seconds=overlappable,
+        critical_comm_seconds=critical,
+        hbm_capacity_bytes=gen.hbm_bytes_per_device,
+        hbm_peak_bytes=hbm_peak,
+    )
+    return StepReport(
+        estimate=estimate,
+        step_index=record.index,
+        steps_run=steps_run,
+        tokens_per_device=record.tokens,
+        peak_flops_per_s=peak,
+        tensor_peak_bytes=record.peak_bytes,
+        memory=dict(record.peak_breakdown),
+        program_temp_bytes=temp,
+        costs=tuple(sorted(costs, key=lambda c: -c.seconds)),
+        unestimated=unestimated,
+    )
+
+
+def step_svg(step: StepReport, title: str) -> str:
+    """Where the step's time goes, as an SVG drawing (no plotting library needed): one bar for
+    the step (compute, then exposed communication), one for all communication (the part hidden
+    under compute and the exposed part), and a bar per costly collective."""
+    e = step.estimate
+    total = max(e.step_seconds, e.comm_seconds, 1e-12)
+    width, left, bar_w, row_h = 860, 250, 560, 26
+    rows: list[tuple[str, list[tuple[float, str, str]]]] = [
+        ("step (lower bound)", [(e.compute_seconds, "#4878d0", "compute"),
+                                (e.exposed_comm_seconds, "#d65f5f", "exposed communication")]),
+        ("all communication", [(e.comm_seconds - e.exposed_comm_seconds, "#95b4e8",
+                                "hidden under compute"),
+                               (e.exposed_comm_seconds, "#d65f5f", "exposed")]),
+    ]
+    for c in step.costliest:
+        color = "#95b4e8" if c.overlappable else "#d65f5f"
+        rows.append((f"{c.calls} x {c.op} /{c.group_size} ({c.origin})", [(c.seconds, color, "")]))
+    height = 70 + row_h * len(rows) + 40
+    out = [
+        (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+         f'font-family="sans-serif" font-size="12">'),
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<text x="10" y="20" font-size="14">{_xml(title)}</text>',
+        (f'<text x="10" y="40">{_xml(f"step >= {_secs(e.step_seconds)}, MFU <= ")}'
+         f'{100 * e.mfu_bound:.1f} %, memory {_xml(step.hbm_verdict())}</text>'),
+    ]
+    y = 60
+    for label, parts in rows:
+        out.append(f'<text x="{left - 8}" y="{y + 17}" text-anchor="end">{_xml(label)}</text>')
+        x = float(left)
+        for seconds, color, name in parts:
+            w = bar_w * seconds / total
+            if w > 0:
+                out.append(f'<rect x="{x:.1f}" y="{y + 4}" width="{max(w, 0.5):.1f}" '
+                           f'height="{row_h - 8}" fill="{color}"><title>{_xml(name)} '
+                           f'{_secs(seconds)}</title></rect>')
+            x += w
+        total_row = sum(p[0] for p in parts)
+        out.append(f'<text x="{x + 6:.1f}" y="{y + 17}">{_secs(total_row)}</text>')
+        y += row_h
+    legend = [("#4878d0", "compute at peak"), ("#95b4e8", "overlappable (FSDP/DDP)"),
+              ("#d65f5f", "exposed / critical path")]
+    x = 10
+    for color, name in legend:
+        out.append(f'<rect x="{x}" y="{y + 10}" width="12" height="12" fill="{color}"/>')
+        out.append(f'<text x="{x + 16}" y="{y + 21}">{_xml(name)}</text>')
+        x += 40 + 7 * len(name)
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def _xml(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
