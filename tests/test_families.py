@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import World
 
 _TPU = {"world_size": 4, "backend": "tpu"}
 

@@ -102,7 +102,7 @@ def test_rank_0s_death_on_node_0_stops_node_1_like_gloo(restarts: dict) -> None:
     it used to stop it at once, and JAX's client then ended rank 1 with SIGABRT ("Terminating
     process because the JAX distributed service detected fatal errors") before its launcher
     could, so node 1 reported its own rank's SIGABRT."""
-    (code0, out0, err0, _), (code1, out1, err1, _) = (
+    (code0, _out0, err0, _), (code1, out1, err1, _) = (
         restarts["rank0-dies-0"], restarts["rank0-dies-1"]
     )
     assert code0 == 1, err0
