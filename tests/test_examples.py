@@ -10,7 +10,8 @@ The launches (a few steps each, to keep the suite short):
 3. The same resume again (2 ranks): nothing is left to train; it says so and reports step 4's
    loss, never ``nan``.
 4. ``--backend gloo --steps 2`` into the same directory (2 ranks): gloo's losses match one
-   process, and saving step 2 below the earlier ``step-4`` warns.
+   process, and saving step 2 below the earlier ``step-4`` warns; 3 (on a copy of the
+   directory) and 4 start together.
 5. ``tpu-launch examples/train_fsdp_tp.py`` (4 ranks): TP inside a (2, 2) mesh.
 
 The losses of 1, 4 and 5 are checked against the same model, data and seed trained in the test
@@ -33,6 +34,7 @@ Every training example's last line on stdout is ``final loss X after N steps``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
@@ -98,17 +100,27 @@ def test_train_fsdp_checkpoint_and_resume(tmp_path: Path) -> None:
     assert resumed == {3: whole[3], 4: whole[4]}  # bit for bit, as printed
     assert _final(last) == (whole[4], 4)
 
+    # The last two launches start together (each reads the checkpoints as the resume left
+    # them: the first a copy, as the second writes into ``ckpt``).
+    again = tmp_path / "again"
+    shutil.copytree(ckpt, again)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        resume_again = pool.submit(_run, "tpu-launch", "train_fsdp.py", "--steps", "4", "--checkpoint-dir",
+                                   str(again), "--resume", nproc=2)
+        on_gloo = pool.submit(_run, "torchrun", "train_fsdp.py", "--steps", "2", "--checkpoint-dir", str(ckpt),
+                              "--backend", "gloo", nproc=2)
+        proc = resume_again.result()
+        gloo_proc = on_gloo.result()
+
     # The same resume again: step-4 is saved, nothing is left to train. It says so and reports
     # step 4's loss as the final one (the old code printed "final loss nan after 4 steps").
-    proc = _run("tpu-launch", "train_fsdp.py", "--steps", "4", "--checkpoint-dir", str(ckpt), "--resume", nproc=2)
     assert not _STEP.search(proc.stdout), proc.stdout
     assert "nothing left to train: the checkpoint is at step 4 and --steps is 4" in proc.stdout
     assert _final(proc.stdout.strip().splitlines()[-1]) == (whole[4], 4)
 
     # A new run into the same directory on gloo (2 ranks): the same losses as one process, and
     # saving step 2 below the earlier run's step-4 warns that --resume would load step-4.
-    proc = _run("torchrun", "train_fsdp.py", "--steps", "2", "--checkpoint-dir", str(ckpt), "--backend", "gloo",
-                nproc=2)
+    proc = gloo_proc
     assert "FSDP2 on 2 ranks (gloo)" in proc.stdout  # dist.get_backend(), not the flag echoed
     gloo = {int(m.group(1)): float(m.group(2)) for m in _STEP.finditer(proc.stdout)}
     want = _single_process_losses(2, dp=2)

@@ -36,7 +36,7 @@ def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     full_env = {**os.environ, "PYTHONPATH": REPO, **env}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=120, env=full_env,
+        capture_output=True, text=True, timeout=300, env=full_env,
     )
 
 

@@ -7,8 +7,9 @@ reproduces one attack as it was found and checks it is refused. The tests run as
 (``os.chown``); what the attacker does between a check and a use is done by the test itself.
 
 Tier (a), in this process: the checks of a cache directory and its parents, and flight-record
-dumps. Tier (b), a fresh process each (``python -c``, one CPU process with two devices, real
-XLA): the compile cache's loads, and a dump that hits the file size limit.
+dumps. Tier (b), a fresh process each (one CPU process with two devices, real XLA): the
+compile cache's loads (forked from the suite's forkserver), and a dump that hits the file size
+limit (``python -c``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.harness import World
 from tpu_dist.collectives import _compile_cache, flight_recorder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,17 +140,24 @@ def test_cache_through_a_link_of_our_own_is_used(tmp_path: Path) -> None:
 
 # -- tier (b): loads of the compile cache, a process each ------------------------------------
 
-_PROGRAM = textwrap.dedent(
-    """
-    import json, os, sys
+def _build_one(rank: int, world_size: int, cache: str, swap_to: str) -> tuple[str, str]:
+    """In a process of its own: build one all_reduce program on two CPU devices through
+    ``TPU_DIST_COMPILE_CACHE=cache`` (the world's environment); with ``swap_to``, the
+    attacker swaps the checked directory for a link to theirs before the build. Returns where
+    the program came from and what tpu_dist logged (its warnings)."""
     import jax
 
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_enable_compilation_cache", False)  # only tpu_dist's cache
     from tpu_dist.collectives import ProgramKey, _compile_cache
     from tpu_dist.collectives._lowering import ProgramCache
 
-    swap_to = sys.argv[1]
-    cache = os.environ["TPU_DIST_COMPILE_CACHE"]
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("tpu_dist").addHandler(handler)
+    assert os.environ["TPU_DIST_COMPILE_CACHE"] == cache
     devices = jax.devices("cpu")[:2]
     key = ProgramKey("allreduce", (0, 1), ((8, "float32"),), ("SUM",), "xla")
     programs = ProgramCache()
@@ -158,27 +167,17 @@ _PROGRAM = textwrap.dedent(
         os.rename(cache, cache + ".checked")
         os.symlink(swap_to, cache)
     programs.program(key, devices)
-    print("RESULT" + json.dumps({"origin": programs.origins[key]}))
-    """
-)
+    return programs.origins[key], "\n".join(records)
 
 
 def _build(cache: Path, swap_to: Path | None = None) -> tuple[str, str]:
-    """Build one all_reduce program in a fresh process with ``TPU_DIST_COMPILE_CACHE=cache``;
-    returns where it came from (``"disk"``: loaded from the cache, ``"compiled"``) and the
-    process's stderr (its warnings)."""
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env.update({
-        "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "TPU_DIST_COMPILE_CACHE": str(cache),
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-    })
-    proc = subprocess.run(
-        [sys.executable, "-c", _PROGRAM, str(swap_to or "")], env=env, capture_output=True,
-        text=True, timeout=180,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT"):])["origin"], proc.stderr
+    """Build one all_reduce program in a fresh process with ``TPU_DIST_COMPILE_CACHE=cache``
+    (forked from the suite's forkserver, which imported torch and JAX but never started a JAX
+    backend or compiled); returns where it came from (``"disk"``: loaded from the cache,
+    ``"compiled"``) and the process's warnings."""
+    env = {"TPU_DIST_COMPILE_CACHE": str(cache), "JAX_COMPILATION_CACHE_DIR": None}
+    with World(1, backend="tpu", init=False, env=env, timeout=180) as world:
+        return world.run(_build_one, str(cache), str(swap_to or ""))[0]
 
 
 @pytest.fixture(scope="module")

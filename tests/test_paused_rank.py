@@ -25,9 +25,10 @@ import torch.distributed as dist
 
 from tests.harness import World
 
-HEARTBEAT_S = 2
-"""``TPU_DIST_HEARTBEAT_TIMEOUT`` of the "tpu" worlds: the pause lasts several times as long."""
-PAUSE_S = 8
+HEARTBEAT_S = 1
+"""``TPU_DIST_HEARTBEAT_TIMEOUT`` of the "tpu" worlds: the pause lasts several times as long
+(before the fix, the peer ended the job one to two heartbeat timeouts into the pause)."""
+PAUSE_S = 4
 GROUP_TIMEOUT_S = 90
 """The group's timeout, far longer than the pause."""
 
