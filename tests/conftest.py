@@ -99,7 +99,8 @@ def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World
 
 _LONGEST_FIRST = (
     "test_examples", "test_fsdp_tp_ddp", "test_collectives_faults", "test_local_security",
-    "test_compile_only", "test_tpu_compile", "test_bench",
+    "test_compile_only", "test_tpu_compile", "test_families", "test_tpu_compile_families",
+    "test_bench",
     "test_torch_suite", "test_collectives_movement", "test_launch_faults",
     "test_collectives_reduce", "test_torch_compile", "test_launch_failures", "test_jaxlib",
     "test_launch_e2e", "test_dtensor", "test_backend_lifecycle", "test_launch_restart",
