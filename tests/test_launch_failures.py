@@ -60,6 +60,8 @@ def test_failing_worker_stops_the_group_and_reports_rank_code_traceback(tmp_path
             "0.5",
             "--pid-dir",
             str(tmp_path),
+            "--wait-pids",  # rank 1 fails once rank 0 runs too (workers start one by one)
+            "2",
         ]
     )
     assert code == 1, err
@@ -82,7 +84,8 @@ def test_failing_worker_stops_the_group_and_reports_rank_code_traceback(tmp_path
 
 def test_verbose_adds_torchruns_table_and_the_variables_set(tmp_path: Path) -> None:
     code, _, err = run_launcher(
-        ["--verbose", "--nproc-per-node", "2", WORKER, "fail", "--exit-code", "3", "--pid-dir", str(tmp_path)]
+        ["--verbose", "--nproc-per-node", "2", WORKER, "fail", "--exit-code", "3", "--pid-dir", str(tmp_path),
+         "--wait-pids", "2"]
     )
     assert code == 1
     assert "tpu-launch: setting OMP_NUM_THREADS=1 for the workers" in err
@@ -96,7 +99,8 @@ def test_verbose_adds_torchruns_table_and_the_variables_set(tmp_path: Path) -> N
 
 def test_exit_code_is_reported(tmp_path: Path) -> None:
     code, _, err = run_launcher(
-        ["--nproc-per-node", "2", WORKER, "fail", "--exit-code", "7", "--pid-dir", str(tmp_path)]
+        ["--nproc-per-node", "2", WORKER, "fail", "--exit-code", "7", "--pid-dir", str(tmp_path),
+         "--wait-pids", "2"]
     )
     assert code == 1
     assert "rank 1 (local rank 1" in err and "exited with code 7" in err

@@ -31,13 +31,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _checks
 from tpu_dist.collectives._types import Kind, ProgramKey
+
+if TYPE_CHECKING:
+    from tpu_dist.mesh import Generation
 
 Algorithm = Literal["xla", "exchange", "gather_reduce"]
 """How a program carries out its kind (:attr:`ProgramKey.algorithm`):
@@ -89,7 +92,8 @@ class GroupView:
     mesh dimension (``tpu_dist.mesh.register_mesh``); empty otherwise. Its collectives then
     run as family programs (:attr:`ProgramKey.groups`)."""
     device_kind: str = ""
-    """The devices' ``device_kind`` (``"TPU7x"``, ``"cpu"``); it decides some algorithms."""
+    """The devices' ``device_kind`` (``"TPU v5 lite"``, ``"cpu"``): whether a family's
+    collectives run as family programs on them (:func:`uses_family_program`)."""
 
     @property
     def global_rank(self) -> int:
@@ -181,11 +185,7 @@ def _itemsize(dtype: str) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def choose_algorithm(
-    kind: Kind | str,
-    blocks: tuple[tuple[int, str], ...],
-    params: tuple,
-    platform: str,
-    size: int,
+    kind: Kind | str, blocks: tuple[tuple[int, str], ...], params: tuple, platform: str, size: int
 ) -> Algorithm:
     """The algorithm of ``kind``'s program over ``size`` devices of ``platform``.
 
@@ -266,18 +266,15 @@ def program_key(
     """
     size = len(device_ids)
     algorithm = choose_algorithm(kind, blocks, params, platform, size)
-    grouped = (
-        len(family) >= 2 and size >= 2
-        and uses_family_program(kind, algorithm, platform, device_kind)
-    )
+    grouped = len(family) >= 2 and size >= 2 and uses_family_program(platform, device_kind)
     if not grouped:
         return ProgramKey(kind, device_ids, blocks, params, algorithm)
     every = tuple(d for row in family for d in row)
     return ProgramKey(kind, every, blocks, params, algorithm, len(family))
 
 
-def uses_family_program(kind: str, algorithm: str, platform: str, device_kind: str) -> bool:
-    """Whether a family's group runs ``kind`` as a family program on these devices.
+def uses_family_program(platform: str, device_kind: str) -> bool:
+    """Whether a family's groups run their collectives as family programs on these devices.
 
     * CPU: always (XLA:CPU makes one communicator per replica group, so only the group's own
       ranks take part, as with its own program; the CPU then runs what v5e and v6e run).
@@ -299,7 +296,8 @@ def uses_family_program(kind: str, algorithm: str, platform: str, device_kind: s
 
 
 @functools.lru_cache(maxsize=64)
-def _generation_of(device_kind: str):  # -> tpu_dist.mesh.Generation | None
+def _generation_of(device_kind: str) -> Generation | None:
+    """The TPU generation whose devices report ``device_kind``, if tpu_dist knows it."""
     from tpu_dist.mesh import generations
 
     for generation in generations().values():

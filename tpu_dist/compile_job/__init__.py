@@ -46,7 +46,6 @@ from tpu_dist.compile_job._compile import (
     CompileReport,
     estimate_seconds,
     write_report,
-    write_step_picture,
 )
 from tpu_dist.compile_job._estimate import (
     CollectiveTime,
@@ -61,7 +60,13 @@ from tpu_dist.compile_job._estimate import (
     step_estimate,
 )
 from tpu_dist.compile_job._fake import LargeTensorsFake
-from tpu_dist.compile_job._step import StepMeter, StepRecord, StepReport, step_report
+from tpu_dist.compile_job._step import (
+    StepMeter,
+    StepRecord,
+    StepReport,
+    step_report,
+    write_step_picture,
+)
 from tpu_dist.compile_job._session import (
     Session,
     activate,

@@ -77,7 +77,7 @@ class CompiledCall:
     """torch's name of the call (``all_reduce``, ``all_gather_into_tensor``, ``send``, ...)."""
     reduce_op: str | None
     group_size: int
-    family_groups: int
+    family_groups: int = 1
     """How many groups run the program together: 1 for the group's own program, else the
     number of groups of its family (a mesh dimension's groups, each of ``group_size``: one
     program over all of them, see :attr:`tpu_dist.collectives.ProgramKey.groups`)."""
@@ -399,24 +399,3 @@ def write_report(report: CompileReport, path: str) -> None:
     with open(path, "w") as f:
         json.dump(report.to_json(), f, indent=1)
         f.write("\n")
-
-
-def write_step_picture(report: CompileReport, report_path: str) -> str:
-    """Write where ``report``'s step goes (compute, exposed and hidden communication, the
-    costliest collectives) as an SVG drawing next to the JSON report (``X.json`` ->
-    ``X.step.svg``); returns its path.
-
-    Raises:
-        ValueError: the report has no step (the script completed no optimizer step).
-    """
-    from tpu_dist.compile_job._step import step_svg
-
-    if report.step is None:
-        raise ValueError("the report has no step (the script completed no optimizer step)")
-    base = report_path[:-5] if report_path.endswith(".json") else report_path
-    path = base + ".step.svg"
-    title = (f"{report.topology} x {report.num_slices} slice(s), {report.num_devices} devices: "
-             "one step per device (tpu-launch --compile-only)")
-    with open(path, "w") as f:
-        f.write(step_svg(report.step, title))
-    return path

@@ -52,11 +52,11 @@ from torch.utils.flop_counter import (
 from tpu_dist.compile_job._estimate import StepEstimate, step_estimate
 
 if TYPE_CHECKING:
-    from tpu_dist.compile_job._compile import CompiledCall
+    from tpu_dist.compile_job._compile import CompiledCall, CompileReport
     from tpu_dist.compile_job._recording import Recorder
     from tpu_dist.mesh import Topology
 
-__all__ = ["StepMeter", "StepRecord", "StepReport", "step_report"]
+__all__ = ["StepMeter", "StepRecord", "StepReport", "step_report", "write_step_picture"]
 
 _aten = torch.ops.aten
 
@@ -553,3 +553,21 @@ def step_svg(step: StepReport, title: str) -> str:
 def _xml(text: str) -> str:
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
+
+def write_step_picture(report: CompileReport, report_path: str) -> str:
+    """Write where ``report``'s step goes (compute, exposed and hidden communication, the
+    costliest collectives) as an SVG drawing next to the JSON report (``X.json`` ->
+    ``X.step.svg``); returns its path.
+
+    Raises:
+        ValueError: the report has no step (the script completed no optimizer step).
+    """
+    if report.step is None:
+        raise ValueError("the report has no step (the script completed no optimizer step)")
+    base = report_path[:-5] if report_path.endswith(".json") else report_path
+    path = base + ".step.svg"
+    title = (f"{report.topology} x {report.num_slices} slice(s), {report.num_devices} devices: "
+             "one step per device (tpu-launch --compile-only)")
+    with open(path, "w") as f:
+        f.write(step_svg(report.step, title))
+    return path
