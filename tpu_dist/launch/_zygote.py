@@ -259,7 +259,10 @@ class Zygote:
             stdout.fileno() if stdout is not None else 1,
             stderr.fileno() if stderr is not None else 2,
         ]
-        request = {"argv": list(args[3:]), "env": dict(env), "cwd": os.getcwd()}
+        request = {
+            "argv": list(args[3:]), "env": dict(env), "cwd": os.getcwd(),
+            "ignored": _ignored_signals(),
+        }
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
         try:
             _send(self._sock, json.dumps(request).encode(), fds)
@@ -405,9 +408,43 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
     return int(data)
 
 
+_INHERITED_SIGNALS = ("SIGHUP", "SIGINT", "SIGQUIT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGALRM")
+"""Signals whose disposition a fresh worker takes from the launcher when it is started: ignored
+stays ignored across ``exec``, anything else becomes the default (Python then installs its
+``KeyboardInterrupt`` handler for SIGINT). SIGPIPE and SIGXFSZ are not among them: Python
+ignores both at start-up whatever it inherits."""
+
+
+def _ignored_signals() -> list[str]:
+    """The launcher's signals (of :data:`_INHERITED_SIGNALS`) that are ignored right now: what a
+    worker it starts itself would inherit as ignored."""
+    return [
+        name for name in _INHERITED_SIGNALS
+        if hasattr(signal, name) and signal.getsignal(getattr(signal, name)) == signal.SIG_IGN
+    ]
+
+
+def _take_launchers_signals(ignored: Sequence[str]) -> None:
+    """In the forked worker: the dispositions a worker started by the launcher would have
+    (:data:`_INHERITED_SIGNALS`), not the zygote's (which are the launcher's when it started the
+    zygote, before elastic installed its handlers)."""
+    for name in _INHERITED_SIGNALS:
+        if not hasattr(signal, name):
+            continue
+        number = getattr(signal, name)
+        if name in ignored:
+            signal.signal(number, signal.SIG_IGN)
+        elif name == "SIGINT":
+            signal.signal(number, signal.default_int_handler)
+        else:
+            signal.signal(number, signal.SIG_DFL)
+
+
 def _become_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> None:
-    """In the forked worker: the launcher's file descriptors, environment and directory."""
+    """In the forked worker: the launcher's file descriptors, environment, directory and signal
+    dispositions."""
     sock.close()
+    _take_launchers_signals(request.get("ignored", ()))
     for target, fd in enumerate(fds):
         if fd != target:
             os.dup2(fd, target)
