@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from tests.harness import World, WorldError
 from tests.launch_worker import free_port
+from tpu_dist.collectives import set_timeout
 
 FAST = {"TPU_DIST_HEARTBEAT_TIMEOUT": "4"}
 
@@ -62,26 +63,39 @@ def _failure(world: World, fn: Callable[..., Any], *args: Any) -> WorldError:
     return caught.value
 
 
-def _raise_policy_world(world_size: int, timeout_s: int, records: os.PathLike) -> World:
-    """A "tpu" world whose group timeout (``timeout_s``) raises instead of aborting; the
-    flight recorder writes to ``records``; the harness gives up on it after 90 s."""
+def _raise_policy_world(world_size: int, records: os.PathLike) -> World:
+    """A "tpu" world whose group timeouts raise instead of aborting; the flight recorder writes
+    to ``records``; the harness gives up on it after 90 s. Its group timeout is
+    :data:`WARM_UP_TIMEOUT`: bodies shorten it with :func:`_short_timeout` after a warm-up."""
     env = {**FAST, "TPU_DIST_TIMEOUT_POLICY": "raise", "TPU_DIST_FLIGHT_RECORDER_DIR": str(records)}
     return World(world_size, backend="tpu", env=env, timeout=90,
-                 init_kwargs={"timeout": datetime.timedelta(seconds=timeout_s)})
+                 init_kwargs={"timeout": WARM_UP_TIMEOUT})
+
+
+# The scenarios start at once, so a first collective (compiled, communicators set up) can take
+# several seconds on a loaded machine: bodies warm up under this timeout, then shorten it.
+WARM_UP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _short_timeout(seconds: float) -> None:
+    """The default group's timeout becomes ``seconds`` for the collectives issued from now on."""
+    set_timeout(datetime.timedelta(seconds=seconds))
 
 
 def _skip_one_collective(
-    rank: int, world_size: int, late_rank: int, slow_rank: int | None = None
+    rank: int, world_size: int, timeout_s: float, late_rank: int, slow_rank: int | None = None
 ) -> str:
-    """Every rank but ``late_rank`` all-reduces; ``late_rank`` stays away for a while.
-    ``slow_rank`` joins 2 s after the others, so the group has failed (on the ranks that timed
-    out first) before its own timeout would end its wait.
+    """Every rank but ``late_rank`` all-reduces under a ``timeout_s`` group timeout;
+    ``late_rank`` stays away for a while. ``slow_rank`` joins 2 s after the others, so the
+    group has failed (on the ranks that timed out first) before its own timeout would end its
+    wait.
 
-    A first all_reduce of the same shape runs on every rank, so the second finds its
-    program compiled and XLA's communicators set up (an async dispatch).
+    A first all_reduce of the same shape runs on every rank (under the warm-up timeout), so the
+    second finds its program compiled and XLA's communicators set up (an async dispatch).
     """
     t = torch.arange(4.0) + rank
     dist.all_reduce(t.clone())
+    _short_timeout(timeout_s)
     if rank == late_rank:
         time.sleep(8)  # past the others' timeouts; it never joins either way
         return "late rank slept"
@@ -98,9 +112,9 @@ def _skip_one_collective(
 
 @scenario
 def timeout_raises(tmp_path: Path) -> tuple[list[str], float, subprocess.CompletedProcess]:
-    with _raise_policy_world(3, 5, tmp_path) as world:
+    with _raise_policy_world(3, tmp_path) as world:
         start = time.monotonic()
-        results = world.run(_skip_one_collective, 1, 2)
+        results = world.run(_skip_one_collective, 5, 1, 2)
         took = time.monotonic() - start
     # The watchdogs dumped the flight records; the analyzer says who is behind.
     out = subprocess.run(
@@ -127,8 +141,8 @@ def test_timeout_raises_naming_the_missing_rank(scenarios) -> None:
 def timeout_aborts(tmp_path: Path) -> tuple[WorldError, bool]:
     env = {**FAST, "TPU_DIST_FLIGHT_RECORDER_DIR": str(tmp_path)}
     with World(2, backend="tpu", env=env, timeout=60, failure_grace=30,
-               init_kwargs={"timeout": datetime.timedelta(seconds=5)}) as world:
-        err = _failure(world, _skip_one_collective, 1)
+               init_kwargs={"timeout": WARM_UP_TIMEOUT}) as world:
+        err = _failure(world, _skip_one_collective, 5, 1)
     return err, (tmp_path / "tpu_dist_fr_rank0.json").exists()
 
 
@@ -355,6 +369,7 @@ def _late_rank_after_a_timeout(rank: int, world_size: int) -> list[str]:
     outcomes = []
     t = torch.ones(4)
     dist.all_reduce(t)
+    _short_timeout(3)
     if rank == 1:
         time.sleep(8)
     for _ in range(2):  # the collective the peers gave up on, then the next one
@@ -368,7 +383,7 @@ def _late_rank_after_a_timeout(rank: int, world_size: int) -> list[str]:
 
 @scenario
 def after_timeout(tmp_path: Path) -> list[list[str]]:
-    with _raise_policy_world(3, 3, tmp_path) as world:
+    with _raise_policy_world(3, tmp_path) as world:
         return world.run(_late_rank_after_a_timeout)
 
 
@@ -391,6 +406,7 @@ def _send_nobody_receives(rank: int, world_size: int) -> str:
         dist.send(t, 1)
     else:
         dist.recv(t, 0)
+    _short_timeout(5)
     if rank == 1:
         time.sleep(7)  # past rank 0's 5 s timeout; it never receives either way
         return "late rank slept"
@@ -403,7 +419,7 @@ def _send_nobody_receives(rank: int, world_size: int) -> str:
 
 @scenario
 def p2p_watched(tmp_path: Path) -> tuple[list[str], str]:
-    with _raise_policy_world(2, 5, tmp_path) as world:
+    with _raise_policy_world(2, tmp_path) as world:
         results = world.run(_send_nobody_receives)
     return results, (tmp_path / "tpu_dist_fr_rank0.json").read_text()
 
