@@ -285,9 +285,11 @@ def _mutated_name(node: ast.AST) -> tuple[str, str] | None:
             ):
                 kind = "item" if isinstance(target, ast.Subscript) else "attribute"
                 return target.value.id, f"sets an {kind} of"
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-        if node.func.attr in _MUTATORS and isinstance(node.func.value, ast.Name):
-            return node.func.value.id, f"calls .{node.func.attr}() on"
+    func = node.func if isinstance(node, ast.Call) else None
+    if isinstance(func, ast.Attribute) and func.attr in _MUTATORS and isinstance(
+        func.value, ast.Name
+    ):
+        return func.value.id, f"calls .{func.attr}() on"
     return None
 
 
@@ -434,7 +436,7 @@ def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
     )
     for algorithm, table in _lowering._ALGORITHMS.items():
         strays = [key for key in table if not isinstance(key, Kind)]
-        assert not strays, f"_lowering's {algorithm!r} bodies have keys that are not Kinds: {strays}"
+        assert not strays, f"_lowering's {algorithm!r} bodies have non-Kind keys: {strays}"
     assert set(_lowering._ALGORITHMS) == set(typing.get_args(_plan.Algorithm)), (
         "_lowering._ALGORITHMS and _plan.Algorithm name different algorithms"
     )

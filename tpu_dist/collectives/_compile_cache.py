@@ -32,11 +32,11 @@ is then off, not wrong.
 **One compilation per host.** The ranks of a group on one host (every rank, under CPU
 emulation) all need a new program at the same moment; without coordination each compiles it,
 so four ranks on two cores take about twice one compilation and four times its CPU. So the
-first rank to need a program takes its *compile turn* (:func:`compile_turn`, an ``flock`` on
-one of :data:`LOCK_STRIPES` lock files, which the kernel releases if the process dies),
-compiles and stores it; the others wait for the turn to end and load the stored program. A
-waiter that finds nothing stored (the compiler was not allowed to store, see below) compiles
-it itself, without holding the turn, so compilations never queue behind each other.
+first rank to need a program takes its *compile turn* (:meth:`CompileCache.compile_turn`, an
+``flock`` on one of :data:`LOCK_STRIPES` lock files, which the kernel releases if the process
+dies), compiles and stores it; the others wait for the turn to end and load the stored
+program. A waiter that finds nothing stored (the compiler was not allowed to store, see below)
+compiles it itself, without holding the turn, so compilations never queue behind each other.
 
 One program serves every group of the same size and layout on CPU. XLA:CPU's code does not
 depend on which devices run it: its collectives name group ranks (partitions), and the device
@@ -66,7 +66,7 @@ Where (``TPU_DIST_COMPILE_CACHE``, :data:`tpu_dist._settings.COMPILE_CACHE`):
 * an absolute path: that directory, on every platform.
 
 Loading an executable runs code from the file, so only files the user wrote and only the user
-can change are ever loaded (:func:`private_directory`):
+can change are ever loaded (:meth:`CompileCache.private_directory`):
 
 * The directory is opened once a process, one path component at a time from ``/``, never
   following a symbolic link by accident (``O_DIRECTORY | O_NOFOLLOW`` on each component, each

@@ -2,10 +2,14 @@
 
 One :class:`Runtime` per process (:func:`get`) owns everything that lives longer
 than one call: the JAX runtime and its devices, the program cache
-(``_lowering.ProgramCache``), the dispatcher, the point-to-point queue and the
+(``_lowering.ProgramCache``), the on-disk compile cache as this process uses it
+(``_compile_cache.CompileCache``), which private jaxlib calls still work
+(``_jaxlib.JaxlibCalls``), the dispatcher, the point-to-point queue and the
 group counts per device set (``_dispatch``), the completion thread
 (``_work.Completer``) and the watchdog (``_watchdog``). The modules of the
-package keep no per-process state of their own. JAX starts when the first
+package keep no per-process state of their own: what must be process-wide
+(this object itself among it) is declared in :mod:`tpu_dist._process`
+(``tpu_dist/ARCHITECTURE.md``, "Per-process state"). JAX starts when the first
 "tpu" process group is created (the default group, since torch creates it
 first) and lives until the interpreter exits (``destroy_process_group`` leaves
 it running: JAX allows one distributed initialization per process).
@@ -168,7 +172,8 @@ class Runtime:
 
     It owns the stages of a collective's life that outlive one call: the JAX runtime
     (:attr:`info`, :attr:`devices`, started by :meth:`start`), the compiled programs
-    (:attr:`programs`), the ordered dispatch of programs and the queue of point-to-point
+    (:attr:`programs`, with the on-disk cache :attr:`disk_cache` and the private jaxlib calls
+    :attr:`jaxlib`), the ordered dispatch of programs and the queue of point-to-point
     ops (:attr:`dispatcher`, :attr:`p2p`, :attr:`device_sets`), the thread that completes
     works whose future was asked for (:attr:`completer`) and the watchdog (:attr:`watchdog`,
     started by :meth:`start_watchdog`). It is the composition root: it builds each group's
