@@ -10,7 +10,8 @@ has the rule; ``tests/test_layers.py`` fails on a ``global`` statement or a modu
 container that is mutated anywhere else in the package.
 
 Each slot below says why it is process-wide, who writes it and who reads it. Only the functions
-of this module write the slots; the modules named read them through these functions. Like
+of this module write the slots (but :data:`compile_events`, a thread-local whose attributes its
+one writer sets); the modules named read them through these functions. Like
 :mod:`tpu_dist._settings`, this module imports nothing of tpu_dist, torch or JAX, and every
 layer may import it.
 """
