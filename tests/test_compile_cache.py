@@ -64,7 +64,7 @@ def test_setting_refuses_a_relative_path() -> None:
 
 def test_directory_is_created_private(tmp_path: Path) -> None:
     path = tmp_path / "a" / "b"
-    assert _compile_cache.private_directory(path) == path
+    assert _compile_cache.CompileCache().private_directory(path) == path
     assert stat.S_IMODE(path.stat().st_mode) == 0o700
     assert path.stat().st_uid == os.getuid()
 
@@ -77,7 +77,7 @@ def test_directory_writable_by_others_is_refused(
     path.mkdir()
     path.chmod(mode)
     with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
-        assert _compile_cache.private_directory(path) is None
+        assert _compile_cache.CompileCache().private_directory(path) is None
     assert f"not using the compile cache {path}" in caplog.text
     assert f"mode {mode:o}" in caplog.text and "TPU_DIST_COMPILE_CACHE" in caplog.text
 
@@ -90,7 +90,7 @@ def test_directory_of_another_user_is_refused(
     owner = path.stat().st_uid
     monkeypatch.setattr(os, "getuid", lambda: owner + 1)  # we are someone else now
     with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
-        assert _compile_cache.private_directory(path) is None
+        assert _compile_cache.CompileCache().private_directory(path) is None
     assert f"owned by uid {owner} (you are {owner + 1})" in caplog.text
 
 

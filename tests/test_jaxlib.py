@@ -33,30 +33,31 @@ _SCRIPT = textwrap.dedent(
 
     out = {}
     t = torch.arange(6, dtype=torch.float32)
-    private_in = _jaxlib.dlpack_import(t, device)
-    private_out = _jaxlib.dlpack_export(private_in)
+    calls = _jaxlib.JaxlibCalls()
+    private_in = calls.dlpack_import(t, device)
+    private_out = calls.dlpack_export(private_in)
     key = ProgramKey("allreduce", (device.id,), ((6, "float32"),), ("SUM",), "xla")
-    programs = _lowering.ProgramCache()
+    programs = _lowering.ProgramCache(calls)
     private_run = programs.run(key, [device], [private_in])
     out["private_execute"] = programs.program(key, [device]).execute is not None
     out["before"] = list(warnings)
 
-    _jaxlib._dlpack_import = broken
-    _jaxlib._dlpack_export = broken
+    calls.import_call = broken
+    calls.export_call = broken
     _jaxlib._collect_garbage = None
     found = programs.program(key, [device])
     programs.by_key[key] = _lowering.Program(found.compiled, broken)
     for _ in range(2):  # the second time logs nothing new
-        public_in = _jaxlib.dlpack_import(t, device)
-        public_out = _jaxlib.dlpack_export(public_in)
+        public_in = calls.dlpack_import(t, device)
+        public_out = calls.dlpack_export(public_in)
         public_run = programs.run(key, [device], [public_in])
         _jaxlib.collect_garbage()
     out["same"] = [
         torch.equal(private_out, public_out),
-        torch.equal(_jaxlib.dlpack_export(private_run[0]), _jaxlib.dlpack_export(public_run[0])),
+        torch.equal(calls.dlpack_export(private_run[0]), calls.dlpack_export(public_run[0])),
         public_out.tolist() == t.tolist(),
     ]
-    out["execute_after"] = _jaxlib.loaded_execute(found.compiled) is None
+    out["execute_after"] = calls.loaded_execute(found.compiled) is None
     out["after"] = warnings[len(out["before"]):]
     print(json.dumps(out))
     """

@@ -68,7 +68,7 @@ def test_cache_under_a_parent_others_can_write_is_refused(
     cache = parent / "xla"
     cache.mkdir(mode=0o700)  # the cache itself is ours and private
     with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
-        assert _compile_cache.private_directory(cache) is None
+        assert _compile_cache.CompileCache().private_directory(cache) is None
     (warning,) = _warnings(caplog)
     assert f"not using the compile cache {cache}: its parent directory {parent} " in warning
     assert found in warning and "TPU_DIST_COMPILE_CACHE" in warning, warning
@@ -87,7 +87,7 @@ def test_cache_under_a_parent_its_group_can_write(
         os.chown(parent, ME, OTHER)
     cache = parent / "xla"
     with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
-        used = _compile_cache.private_directory(cache)
+        used = _compile_cache.CompileCache().private_directory(cache)
     if group == "ours":
         assert used == cache and not _warnings(caplog)
     else:
@@ -103,7 +103,7 @@ def test_cache_under_a_sticky_directory_like_tmp_is_used(tmp_path: Path) -> None
     sticky.mkdir()
     sticky.chmod(0o1777)
     cache = sticky / "me" / "xla"
-    assert _compile_cache.private_directory(cache) == cache
+    assert _compile_cache.CompileCache().private_directory(cache) == cache
     for made in (cache, cache.parent):
         assert stat.S_IMODE(made.stat().st_mode) == 0o700 and made.stat().st_uid == ME
 
@@ -122,7 +122,7 @@ def test_cache_through_a_link_another_user_planted_in_a_sticky_directory_is_refu
     link.symlink_to(mine)
     _as_other(link)
     with caplog.at_level(logging.WARNING, logger=_compile_cache.__name__):
-        assert _compile_cache.private_directory(link) is None
+        assert _compile_cache.CompileCache().private_directory(link) is None
     (warning,) = _warnings(caplog)
     assert f"{link} is a symbolic link owned by uid {OTHER}" in warning, warning
 
@@ -131,10 +131,10 @@ def test_cache_through_a_link_of_our_own_is_used(tmp_path: Path) -> None:
     mine = tmp_path / "mine"
     mine.mkdir(mode=0o700)
     (tmp_path / "xla").symlink_to("mine")
-    assert _compile_cache.private_directory(tmp_path / "xla") == tmp_path / "xla"
+    assert _compile_cache.CompileCache().private_directory(tmp_path / "xla") == tmp_path / "xla"
     (tmp_path / "deep").mkdir()
     (tmp_path / "deep" / "up").symlink_to("../mine/sub")  # relative, with "..", made on the way
-    assert _compile_cache.private_directory(tmp_path / "deep" / "up") is not None
+    assert _compile_cache.CompileCache().private_directory(tmp_path / "deep" / "up") is not None
     assert (mine / "sub").is_dir() and stat.S_IMODE((mine / "sub").stat().st_mode) == 0o700
 
 
@@ -162,7 +162,7 @@ def _build_one(rank: int, world_size: int, cache: str, swap_to: str) -> tuple[st
     key = ProgramKey("allreduce", (0, 1), ((8, "float32"),), ("SUM",), "xla")
     programs = ProgramCache()
     programs.platform = "cpu"
-    assert _compile_cache.directory("cpu") is not None  # checked now
+    assert programs.disk.directory("cpu") is not None  # checked now
     if swap_to:  # the attacker, after the check: the checked directory becomes a link to theirs
         os.rename(cache, cache + ".checked")
         os.symlink(swap_to, cache)

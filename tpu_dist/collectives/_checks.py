@@ -31,16 +31,17 @@ _COMPLEX_OPS = frozenset({"SUM", "AVG", "PREMUL_SUM"})
 _INT_OPS = frozenset({"SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR"})
 
 
-_op_names: dict[object, str] = {}
+_OP_NAMES: dict[object, str] = {
+    kind: name for name, kind in dist.ReduceOp.RedOpType.__members__.items()
+}
+"""Every reduce op type -> its name, built once (``str()`` of the enum costs ~3 us a call)."""
 
 
 def reduce_op_name(op: dist.ReduceOp) -> str:
     """The name ("SUM", "AVG", ...) of a ReduceOp or its RedOpType."""
     kind = getattr(op, "op", op)
-    name = _op_names.get(kind)
-    if name is None:  # str() of the enum costs ~3 us: once per kind
-        name = _op_names[kind] = str(kind).rsplit(".", 1)[-1]
-    return name
+    name = _OP_NAMES.get(kind)
+    return name if name is not None else str(kind).rsplit(".", 1)[-1]
 
 
 def ops_for_dtype(dtype: torch.dtype) -> frozenset[str]:

@@ -32,11 +32,11 @@ is then off, not wrong.
 **One compilation per host.** The ranks of a group on one host (every rank, under CPU
 emulation) all need a new program at the same moment; without coordination each compiles it,
 so four ranks on two cores take about twice one compilation and four times its CPU. So the
-first rank to need a program takes its *compile turn* (:func:`compile_turn`, an ``flock`` on
-one of :data:`LOCK_STRIPES` lock files, which the kernel releases if the process dies),
-compiles and stores it; the others wait for the turn to end and load the stored program. A
-waiter that finds nothing stored (the compiler was not allowed to store, see below) compiles
-it itself, without holding the turn, so compilations never queue behind each other.
+first rank to need a program takes its *compile turn* (:meth:`CompileCache.compile_turn`, an
+``flock`` on one of :data:`LOCK_STRIPES` lock files, which the kernel releases if the process
+dies), compiles and stores it; the others wait for the turn to end and load the stored
+program. A waiter that finds nothing stored (the compiler was not allowed to store, see below)
+compiles it itself, without holding the turn, so compilations never queue behind each other.
 
 One program serves every group of the same size and layout on CPU. XLA:CPU's code does not
 depend on which devices run it: its collectives name group ranks (partitions), and the device
@@ -66,7 +66,7 @@ Where (``TPU_DIST_COMPILE_CACHE``, :data:`tpu_dist._settings.COMPILE_CACHE`):
 * an absolute path: that directory, on every platform.
 
 Loading an executable runs code from the file, so only files the user wrote and only the user
-can change are ever loaded (:func:`private_directory`):
+can change are ever loaded (:meth:`CompileCache.private_directory`):
 
 * The directory is opened once a process, one path component at a time from ``/``, never
   following a symbolic link by accident (``O_DIRECTORY | O_NOFOLLOW`` on each component, each
@@ -103,6 +103,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import grp
 import hashlib
 import logging
@@ -120,7 +121,7 @@ from typing import TYPE_CHECKING
 import jax
 import jaxlib
 
-from tpu_dist import _settings
+from tpu_dist import _process, _settings
 from tpu_dist.collectives import _jaxlib
 
 if TYPE_CHECKING:
@@ -150,22 +151,11 @@ _JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _MAX_LINKS = 40  # symbolic links followed while opening the directory, as the kernel allows
 
-_lock = threading.Lock()
-_resolved: dict[str, Path | None] = {}  # platform -> directory (None: off), once a process
-_fds: dict[str, int] = {}
-"""A checked directory's path -> the descriptor it was opened and checked through, kept open
-for the life of the process: every later access goes through it (``dir_fd``), never through
-the path, which another user may have changed since."""
-_trimmed = False
-_warned: set[str] = set()
-_fingerprint: str | None = None
-_events = threading.local()
-_listening = False
 
 
 def _warn_once(what: str, message: str, *args: object) -> None:
-    if what not in _warned:
-        _warned.add(what)
+    """Warn about ``what`` once per process."""
+    if _process.first_time(f"{__name__}:{what}"):
         logger.warning(message, *args)
 
 
@@ -307,36 +297,6 @@ def _open_private(path: Path) -> int:
             os.close(fd)
 
 
-def private_directory(path: Path) -> Path | None:
-    """``path``, created private to this user (mode 0700), opened and checked once
-    (:func:`_open_private`; the module doc says what is checked); later accesses go through
-    the descriptor it was opened with. None, warned once, if it cannot be created or trusted."""
-    try:
-        fd = _open_private(path)
-    except _Untrusted as err:
-        _warn_once(f"unsafe:{path}", "tpu_dist: %s", err)
-        return None
-    except OSError as err:
-        _warn_once(
-            f"mkdir:{path}", "tpu_dist: cannot use %s=%s (%s); collective programs are "
-            "compiled without the compile cache.", _settings.COMPILE_CACHE.env, path, err,
-        )
-        return None
-    with _lock:
-        # An earlier descriptor of the same path stays open: another thread may be using it.
-        _fds[str(path)] = fd
-    return path
-
-
-def _root_fd(root: Path) -> int | None:
-    """The descriptor ``root`` was checked through (:func:`private_directory`, which is called
-    now if it was not yet); None if it is not trusted (warned)."""
-    fd = _fds.get(str(root))
-    if fd is None and private_directory(root) is not None:
-        fd = _fds.get(str(root))
-    return fd
-
-
 def _open_entry(root_fd: int, name: str, flags: int, path: Path, mode: int = 0o600) -> int:
     """Open file ``name`` of the cache directory without following a link and check it is a
     regular file of this user's that no one else can write.
@@ -372,29 +332,14 @@ def _open_entry(root_fd: int, name: str, flags: int, path: Path, mode: int = 0o6
     return fd
 
 
-def directory(platform: str) -> Path | None:
-    """The cache directory for programs of ``platform``, or None when the cache is off.
-
-    Reads ``TPU_DIST_COMPILE_CACHE`` once per platform and process.
-
-    Raises:
-        ValueError: ``TPU_DIST_COMPILE_CACHE`` is malformed (the message names it).
-    """
-    if platform in _resolved:
-        return _resolved[platform]
-    path = choose_directory(_settings.COMPILE_CACHE.get(), platform)
-    if path is not None:
-        path = private_directory(path)
-    _resolved[platform] = path
-    return path
-
-
 _PROGRAM_CODE = ("_lowering.py", "_types.py", "_jaxlib.py")
 """The modules (beside this one) whose code builds programs: bodies, keys, the 64-bit scope."""
 
 
+@functools.cache
 def _code_fingerprint() -> str:
-    """A digest of the code that builds programs (:data:`_PROGRAM_CODE`)."""
+    """A digest of the code that builds programs (:data:`_PROGRAM_CODE`): a fact of the
+    installed files, computed once."""
     here = Path(__file__).parent
     digest = hashlib.sha256()
     for name in _PROGRAM_CODE:
@@ -429,14 +374,11 @@ def placement_key(key: ProgramKey, devices: Sequence[jax.Device]) -> tuple:
 
 def entry_name(key: ProgramKey, devices: Sequence[jax.Device]) -> str:
     """The file name of ``key``'s program over ``devices``: a digest of all that decides it."""
-    global _fingerprint
-    if _fingerprint is None:
-        _fingerprint = _code_fingerprint()
     client = devices[0].client
     parts = (
         _MAGIC, jax.__version__, jaxlib.__version__, client.platform, client.platform_version,
-        _fingerprint, os.environ.get("XLA_FLAGS", ""), os.environ.get("LIBTPU_INIT_ARGS", ""),
-        jax.process_count(), placement_key(key, devices),
+        _code_fingerprint(), os.environ.get("XLA_FLAGS", ""),
+        os.environ.get("LIBTPU_INIT_ARGS", ""), jax.process_count(), placement_key(key, devices),
     )
     digest = hashlib.sha256(repr(parts).encode()).hexdigest()
     return f"{key.kind}-{digest[:40]}{_SUFFIX}"
@@ -458,7 +400,7 @@ class CompileWatch:
 
 
 def _on_jax_event(event: str, **kwargs: object) -> None:
-    seen = getattr(_events, "seen", None)
+    seen = getattr(_process.compile_events, "seen", None)
     if seen is not None:
         seen.add(event)
 
@@ -471,17 +413,15 @@ def watch_compile() -> Iterator[CompileWatch]:
     (``jax.monitoring``), in the thread that compiles; this listens for them in this thread
     only, so compilations in other threads do not count.
     """
-    global _listening
-    with _lock:
-        if not _listening:
-            jax.monitoring.register_event_listener(_on_jax_event)
-            _listening = True
+    _process.do_once(
+        f"{__name__}:listener", lambda: jax.monitoring.register_event_listener(_on_jax_event)
+    )
     watch = CompileWatch()
-    _events.seen = seen = set()
+    _process.compile_events.seen = seen = set()
     try:
         yield watch
     finally:
-        _events.seen = None
+        _process.compile_events.seen = None
     watch.compiled, watch.reason = _judge(seen)
 
 
@@ -499,72 +439,6 @@ def _judge(seen: set[str]) -> tuple[bool, str]:
             "so a load cannot be told from a compilation"
         )
     return True, ""
-
-
-# -- one compilation per host ------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def compile_turn(name: str, root: Path) -> Iterator[bool]:
-    """Around building the program of entry ``name`` in ``root``: load it, and compile (and
-    store) it only if that finds nothing.
-
-    Yields True when this process holds the compile turn (others wait until the block ends),
-    False when another process held it and its turn has ended (the block does not hold it, so
-    a compilation there, when the other process stored nothing, does not make others wait).
-    A turn that cannot be taken (the lock file cannot be opened) or is held longer than
-    :data:`TURN_WAIT_SECONDS` yields True without holding it: compiling is always allowed,
-    the turn only saves work.
-    """
-    locks = root / ".locks"
-    stripe = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % LOCK_STRIPES
-    try:
-        root_fd = _root_fd(root)
-        if root_fd is None:
-            raise OSError(errno.EACCES, "the compile cache directory is not trusted (warned)")
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(".locks", 0o700, dir_fd=root_fd)
-        locks_fd = os.open(".locks", _DIR_FLAGS, dir_fd=root_fd)
-        try:
-            problem = _problem(os.fstat(locks_fd), os.getuid())
-            if problem is not None:
-                raise OSError(errno.EACCES, f"{problem}; remove it")
-            fd = _open_entry(locks_fd, f"{stripe:03d}", os.O_RDWR | os.O_CREAT,
-                             locks / f"{stripe:03d}")
-        finally:
-            os.close(locks_fd)
-    except (OSError, _Untrusted) as err:
-        _warn_once(f"lock:{root}", "tpu_dist: cannot open a compile lock in %s (%s); each "
-                   "process compiles its own programs.", locks, err)
-        yield True
-        return
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            pass
-        else:
-            yield True  # the turn is ours until the caller has stored the program
-            return
-        deadline = time.monotonic() + TURN_WAIT_SECONDS
-        pause = 0.001
-        while True:
-            time.sleep(pause)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break  # the other process's turn ended
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    _warn_once("turn-timeout", "tpu_dist: another process held the compile "
-                               "turn for %s longer than %.0f s; compiling here instead.",
-                               name, TURN_WAIT_SECONDS)
-                    yield True
-                    return
-                pause = min(pause * 2, 0.01)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        yield False
-    finally:
-        os.close(fd)  # releases the turn if still held
 
 
 # -- entries -----------------------------------------------------------------------------------
@@ -623,130 +497,258 @@ def deserialize(
     return _jaxlib.load_onto(serialized.blob, in_tree, out_tree, serialized.devices, devices)
 
 
-def load(
-    key: ProgramKey, devices: Sequence[jax.Device], platform: str
-) -> tuple[jax.stages.Compiled, Serialized] | None:
-    """``key``'s compiled program from the cache, loaded onto ``devices``, and the entry it
-    came from (a program of the same :func:`placement_key`, perhaps written for other devices);
-    or None (off, not there, or unusable: a damaged entry is warned about and left to be
-    replaced by the next :func:`store`)."""
-    root = directory(platform)
-    root_fd = None if root is None else _root_fd(root)
-    if root is None or root_fd is None:
-        return None
-    name = entry_name(key, devices)
-    path = root / name
-    try:
-        fd = _open_entry(root_fd, name, os.O_RDONLY | os.O_NONBLOCK, path)  # a FIFO: no wait
-    except FileNotFoundError:
-        return None
-    except _Untrusted as err:
-        _warn_once(f"unsafe:{path}", "tpu_dist: %s", err)
-        return None
-    except OSError as err:
-        _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
-                   "compiling the program instead.", path, err)
-        return None
-    try:
-        with os.fdopen(fd, "rb") as entry:
-            data = entry.read()
-            with contextlib.suppress(OSError):
-                os.utime(entry.fileno())  # trimming removes the least recently used first
-    except OSError as err:
-        _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
-                   "compiling the program instead.", path, err)
-        return None
-    header = len(_MAGIC) + _DIGEST_BYTES
-    body = data[header:]
-    ids, newline, blob = body.partition(b"\n")
-    if (
-        not data.startswith(_MAGIC)
-        or not newline
-        or not blob
-        or hashlib.sha256(body).digest() != data[len(_MAGIC):header]
-    ):
-        _warn_once(
-            f"damaged:{path}", "tpu_dist: the compile cache entry %s is damaged or truncated "
-            "(%d bytes, its checksum does not match); compiling the program again and "
-            "replacing it.", path, len(data),
-        )
-        return None
-    serialized = Serialized(blob, tuple(int(i) for i in ids.split(b",")))
-    try:
-        compiled = deserialize(serialized, devices, len(key.blocks))
-    except Exception as err:  # noqa: BLE001 - an entry XLA refuses is a miss, compiled again
-        _warn_once(
-            f"load:{path}", "tpu_dist: the compile cache entry %s did not load (%s: %s); "
-            "compiling the program again and replacing it.", path, type(err).__name__, err,
-        )
-        return None
-    if compiled is None:
-        return None
-    return compiled, serialized
+# -- one process's cache: its directories, one compilation per host, entries --------------------
 
 
-def store(
-    key: ProgramKey, devices: Sequence[jax.Device], platform: str, serialized: Serialized
-) -> None:
-    """Put ``key``'s program over ``devices``, as :func:`serialize` gave it, in the cache (when
-    on). Failures only warn: the program runs all the same."""
-    root = directory(platform)
-    root_fd = None if root is None else _root_fd(root)
-    if root is None or root_fd is None:
-        return
-    name = entry_name(key, devices)
-    path = root / name
-    body = b",".join(b"%d" % i for i in serialized.devices) + b"\n" + serialized.blob
-    try:
-        # A new name, created here (O_EXCL) and never through a link; renamed into place.
-        tmp = f".tmp-{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(tmp, flags, 0o600, dir_fd=root_fd)
+class CompileCache:
+    """The on-disk compile cache as one process uses it: the directory each platform's programs
+    go to (``TPU_DIST_COMPILE_CACHE``, read once), the descriptor each checked directory was
+    opened through, and whether the directory was trimmed yet.
+
+    One per process: the ``Runtime`` owns it (``Runtime.disk_cache``) and hands it to its
+    ``ProgramCache``; a ``ProgramCache`` made on its own (a test) makes its own.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._resolved: dict[str, Path | None] = {}
+        """Platform -> its directory (None: off), once per platform."""
+        self._fds: dict[str, int] = {}
+        """A checked directory's path -> the descriptor it was opened and checked through, kept
+        open for the life of the process: every later access goes through it (``dir_fd``),
+        never through the path, which another user may have changed since."""
+        self._trimmed = False
+        """Whether :meth:`_trim_once` ran (once, at the first write)."""
+
+    def private_directory(self, path: Path) -> Path | None:
+        """``path``, created private to this user (mode 0700), opened and checked once
+        (:func:`_open_private`; the module doc says what is checked); later accesses go through
+        the descriptor it was opened with. None, warned once, if it cannot be created or trusted."""
         try:
-            with os.fdopen(fd, "wb") as out:
-                out.write(_MAGIC)
-                out.write(hashlib.sha256(body).digest())
-                out.write(body)
-            os.replace(tmp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp, dir_fd=root_fd)
-            raise
-    except OSError as err:
-        _warn_once(f"write:{root}", "tpu_dist: cannot write the compile cache entry %s: %s",
-                   path, err)
-        return
-    _trim_once(root_fd)
+            fd = _open_private(path)
+        except _Untrusted as err:
+            _warn_once(f"unsafe:{path}", "tpu_dist: %s", err)
+            return None
+        except OSError as err:
+            _warn_once(
+                f"mkdir:{path}", "tpu_dist: cannot use %s=%s (%s); collective programs are "
+                "compiled without the compile cache.", _settings.COMPILE_CACHE.env, path, err,
+            )
+            return None
+        with self._lock:
+            # An earlier descriptor of the same path stays open: another thread may be using it.
+            self._fds[str(path)] = fd
+        return path
 
+    def _root_fd(self, root: Path) -> int | None:
+        """The descriptor ``root`` was checked through (:meth:`private_directory`, which is called
+        now if it was not yet); None if it is not trusted (warned)."""
+        fd = self._fds.get(str(root))
+        if fd is None and self.private_directory(root) is not None:
+            fd = self._fds.get(str(root))
+        return fd
 
-def _trim_once(root_fd: int) -> None:
-    """Remove the least recently used entries while the directory (open as ``root_fd``)
-    holds more than :data:`MAX_BYTES`."""
-    global _trimmed
-    with _lock:
-        if _trimmed:
+    def directory(self, platform: str) -> Path | None:
+        """The cache directory for programs of ``platform``, or None when the cache is off.
+
+        Reads ``TPU_DIST_COMPILE_CACHE`` once per platform (and object: one per process).
+
+        Raises:
+            ValueError: ``TPU_DIST_COMPILE_CACHE`` is malformed (the message names it).
+        """
+        if platform in self._resolved:
+            return self._resolved[platform]
+        path = choose_directory(_settings.COMPILE_CACHE.get(), platform)
+        if path is not None:
+            path = self.private_directory(path)
+        self._resolved[platform] = path
+        return path
+
+    @contextlib.contextmanager
+    def compile_turn(self, name: str, root: Path) -> Iterator[bool]:
+        """Around building the program of entry ``name`` in ``root``: load it, and compile (and
+        store) it only if that finds nothing.
+
+        Yields True when this process holds the compile turn (others wait until the block ends),
+        False when another process held it and its turn has ended (the block does not hold it, so
+        a compilation there, when the other process stored nothing, does not make others wait).
+        A turn that cannot be taken (the lock file cannot be opened) or is held longer than
+        :data:`TURN_WAIT_SECONDS` yields True without holding it: compiling is always allowed,
+        the turn only saves work.
+        """
+        locks = root / ".locks"
+        stripe = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) % LOCK_STRIPES
+        try:
+            root_fd = self._root_fd(root)
+            if root_fd is None:
+                raise OSError(errno.EACCES, "the compile cache directory is not trusted (warned)")
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(".locks", 0o700, dir_fd=root_fd)
+            locks_fd = os.open(".locks", _DIR_FLAGS, dir_fd=root_fd)
+            try:
+                problem = _problem(os.fstat(locks_fd), os.getuid())
+                if problem is not None:
+                    raise OSError(errno.EACCES, f"{problem}; remove it")
+                fd = _open_entry(locks_fd, f"{stripe:03d}", os.O_RDWR | os.O_CREAT,
+                                 locks / f"{stripe:03d}")
+            finally:
+                os.close(locks_fd)
+        except (OSError, _Untrusted) as err:
+            _warn_once(f"lock:{root}", "tpu_dist: cannot open a compile lock in %s (%s); each "
+                       "process compiles its own programs.", locks, err)
+            yield True
             return
-        _trimmed = True
-    entries = []
-    try:
-        # A descriptor of its own: a listing moves its offset, and ``root_fd`` is shared with
-        # the processes forked from this one.
-        listing = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
-    except OSError:
-        return
-    try:
-        with os.scandir(listing) as scan:
-            for entry in scan:
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                pass
+            else:
+                yield True  # the turn is ours until the caller has stored the program
+                return
+            deadline = time.monotonic() + TURN_WAIT_SECONDS
+            pause = 0.001
+            while True:
+                time.sleep(pause)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break  # the other process's turn ended
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        _warn_once("turn-timeout", "tpu_dist: another process held the compile "
+                                   "turn for %s longer than %.0f s; compiling here instead.",
+                                   name, TURN_WAIT_SECONDS)
+                        yield True
+                        return
+                    pause = min(pause * 2, 0.01)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            yield False
+        finally:
+            os.close(fd)  # releases the turn if still held
+
+    def load(
+        self, key: ProgramKey, devices: Sequence[jax.Device], platform: str
+    ) -> tuple[jax.stages.Compiled, Serialized] | None:
+        """``key``'s compiled program from the cache, loaded onto ``devices``, and the entry it
+        came from (a program of the same :func:`placement_key`, perhaps written for other devices);
+        or None (off, not there, or unusable: a damaged entry is warned about and left to be
+        replaced by the next :meth:`store`)."""
+        root = self.directory(platform)
+        root_fd = None if root is None else self._root_fd(root)
+        if root is None or root_fd is None:
+            return None
+        name = entry_name(key, devices)
+        path = root / name
+        try:
+            fd = _open_entry(root_fd, name, os.O_RDONLY | os.O_NONBLOCK, path)  # a FIFO: no wait
+        except FileNotFoundError:
+            return None
+        except _Untrusted as err:
+            _warn_once(f"unsafe:{path}", "tpu_dist: %s", err)
+            return None
+        except OSError as err:
+            _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
+                       "compiling the program instead.", path, err)
+            return None
+        try:
+            with os.fdopen(fd, "rb") as entry:
+                data = entry.read()
                 with contextlib.suppress(OSError):
-                    if entry.name.endswith(_SUFFIX):
-                        info = entry.stat(follow_symlinks=False)
-                        entries.append((info.st_mtime, info.st_size, entry.name))
-    finally:
-        os.close(listing)
-    total = sum(size for _, size, _ in entries)
-    for _, size, name in sorted(entries):
-        if total <= MAX_BYTES:
-            break
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=root_fd)
-        total -= size
+                    os.utime(entry.fileno())  # trimming removes the least recently used first
+        except OSError as err:
+            _warn_once(f"read:{path}", "tpu_dist: cannot read the compile cache entry %s (%s); "
+                       "compiling the program instead.", path, err)
+            return None
+        header = len(_MAGIC) + _DIGEST_BYTES
+        body = data[header:]
+        ids, newline, blob = body.partition(b"\n")
+        if (
+            not data.startswith(_MAGIC)
+            or not newline
+            or not blob
+            or hashlib.sha256(body).digest() != data[len(_MAGIC):header]
+        ):
+            _warn_once(
+                f"damaged:{path}", "tpu_dist: the compile cache entry %s is damaged or truncated "
+                "(%d bytes, its checksum does not match); compiling the program again and "
+                "replacing it.", path, len(data),
+            )
+            return None
+        serialized = Serialized(blob, tuple(int(i) for i in ids.split(b",")))
+        try:
+            compiled = deserialize(serialized, devices, len(key.blocks))
+        except Exception as err:  # noqa: BLE001 - an entry XLA refuses is a miss, compiled again
+            _warn_once(
+                f"load:{path}", "tpu_dist: the compile cache entry %s did not load (%s: %s); "
+                "compiling the program again and replacing it.", path, type(err).__name__, err,
+            )
+            return None
+        if compiled is None:
+            return None
+        return compiled, serialized
+
+
+    def store(
+        self, key: ProgramKey, devices: Sequence[jax.Device], platform: str, serialized: Serialized
+    ) -> None:
+        """Put ``key``'s program over ``devices``, as :func:`serialize` gave it, in the cache (when
+        on). Failures only warn: the program runs all the same."""
+        root = self.directory(platform)
+        root_fd = None if root is None else self._root_fd(root)
+        if root is None or root_fd is None:
+            return
+        name = entry_name(key, devices)
+        path = root / name
+        body = b",".join(b"%d" % i for i in serialized.devices) + b"\n" + serialized.blob
+        try:
+            # A new name, created here (O_EXCL) and never through a link; renamed into place.
+            tmp = f".tmp-{secrets.token_hex(8)}"
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600, dir_fd=root_fd)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    out.write(_MAGIC)
+                    out.write(hashlib.sha256(body).digest())
+                    out.write(body)
+                os.replace(tmp, name, src_dir_fd=root_fd, dst_dir_fd=root_fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=root_fd)
+                raise
+        except OSError as err:
+            _warn_once(f"write:{root}", "tpu_dist: cannot write the compile cache entry %s: %s",
+                       path, err)
+            return
+        self._trim_once(root_fd)
+
+
+    def _trim_once(self, root_fd: int) -> None:
+        """Remove the least recently used entries while the directory (open as ``root_fd``)
+        holds more than :data:`MAX_BYTES`."""
+        with self._lock:
+            if self._trimmed:
+                return
+            self._trimmed = True
+        entries = []
+        try:
+            # A descriptor of its own: a listing moves its offset, and ``root_fd`` is shared with
+            # the processes forked from this one.
+            listing = os.open(".", _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return
+        try:
+            with os.scandir(listing) as scan:
+                for entry in scan:
+                    with contextlib.suppress(OSError):
+                        if entry.name.endswith(_SUFFIX):
+                            info = entry.stat(follow_symlinks=False)
+                            entries.append((info.st_mtime, info.st_size, entry.name))
+        finally:
+            os.close(listing)
+        total = sum(size for _, size, _ in entries)
+        for _, size, name in sorted(entries):
+            if total <= MAX_BYTES:
+                break
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=root_fd)
+            total -= size

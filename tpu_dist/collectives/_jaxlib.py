@@ -41,13 +41,13 @@ import contextlib
 import io
 import logging
 import pickle
-import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
 import torch
 
+from tpu_dist import _process
 from tpu_dist.collectives._service import no_service_api
 
 logger = logging.getLogger(__name__)
@@ -57,8 +57,6 @@ try:
 except ImportError:  # pragma: no cover - another jaxlib
     _lib = None
 
-_dlpack_import = getattr(_lib, "dlpack_managed_tensor_to_buffer", None)
-_dlpack_export = getattr(_lib, "buffer_to_dlpack_managed_tensor", None)
 _collect_garbage = getattr(_lib, "collect_garbage", None)
 try:
     from jax._src.config import persistent_cache_min_compile_time_secs as _min_cached_compile_time
@@ -74,7 +72,6 @@ try:
     from jax._src import xla_bridge as _xla_bridge
 except ImportError:  # pragma: no cover - another jax
     _distributed = _xla_bridge = None
-_execute_usable = True
 
 _FALLBACKS = {
     "dlpack_import": "jaxlib's dlpack_managed_tensor_to_buffer -> jax.dlpack.from_dlpack "
@@ -94,10 +91,6 @@ _FALLBACKS = {
 }
 """Name of each private call -> what replaces it and what that costs."""
 
-_logged: set[str] = set()
-_log_lock = threading.Lock()
-
-
 
 def x64_scope() -> contextlib.AbstractContextManager:
     """A thread-local scope in which JAX keeps 64-bit dtypes: JAX truncates int64/float64
@@ -108,46 +101,10 @@ def x64_scope() -> contextlib.AbstractContextManager:
 
 def fell_back(name: str, reason: object = None) -> None:
     """Log, once per process, that private call ``name`` is replaced by its public fallback."""
-    if name in _logged:
+    if not _process.first_time(f"{__name__}:{name}"):
         return
-    with _log_lock:
-        if name in _logged:
-            return
-        _logged.add(name)
     why = f" ({reason})" if reason is not None else " (not in this jaxlib)"
     logger.warning("tpu_dist: using a public fallback%s: %s.", why, _FALLBACKS[name])
-
-
-def dlpack_import(flat: torch.Tensor, device: jax.Device) -> jax.Array:
-    """A 1-D CPU tensor as a JAX array on ``device``, zero-copy (DLPack)."""
-    global _dlpack_import
-    private = _dlpack_import
-    if private is not None:
-        try:
-            return private(flat.__dlpack__(), device, None)
-        except TypeError as err:  # the private signature changed: the public call from now on
-            _dlpack_import = None
-            fell_back("dlpack_import", err)
-    else:
-        fell_back("dlpack_import")
-    with jax.enable_x64(True):
-        return jax.dlpack.from_dlpack(flat)
-
-
-def dlpack_export(array: jax.Array) -> torch.Tensor:
-    """A single-device JAX array as a CPU tensor, zero-copy (DLPack)."""
-    global _dlpack_export
-    private = _dlpack_export
-    if private is not None:
-        # Export the buffer directly instead of through jax.Array.__dlpack__'s checks.
-        try:
-            return torch.utils.dlpack.from_dlpack(private(array, stream=None))
-        except TypeError as err:
-            _dlpack_export = None
-            fell_back("dlpack_export", err)
-    else:
-        fell_back("dlpack_export")
-    return torch.from_dlpack(array)
 
 
 def collect_garbage() -> None:
@@ -165,31 +122,76 @@ def collect_garbage() -> None:
         fell_back("collect_garbage")
 
 
-def loaded_execute(compiled: jax.stages.Compiled) -> Callable[[list], list] | None:
-    """``compiled``'s loaded executable's ``execute`` on this process's single-device blocks.
+class JaxlibCalls:
+    """The private calls that change state as they are used: one object per runtime
+    (``Runtime.jaxlib``, handed to its ``ProgramCache``), holding which of them still work.
 
-    None when the program has more than one device in this process (the public call is the
-    way then), or when the private call is not there (logged once: :func:`fell_back`). After
-    :func:`execute_failed`, always None.
+    Each starts as this jaxlib offers it; one that raises ``TypeError`` (its signature changed)
+    is replaced by its public fallback from then on, logged once per process
+    (:func:`fell_back`).
     """
-    if not _execute_usable:
-        return None
-    try:
-        executable = compiled._executable.xla_executable
-        devices = executable.local_devices()
-        execute = executable.execute
-    except AttributeError as err:
+
+    def __init__(self) -> None:
+        self.import_call = getattr(_lib, "dlpack_managed_tensor_to_buffer", None)
+        """jaxlib's DLPack import, or None once it failed (or this jaxlib lacks it)."""
+        self.export_call = getattr(_lib, "buffer_to_dlpack_managed_tensor", None)
+        """jaxlib's DLPack export, or None once it failed (or this jaxlib lacks it)."""
+        self.execute_usable = True
+        """Whether a loaded executable's own ``execute`` is used (False after
+        :meth:`execute_failed`)."""
+
+    def dlpack_import(self, flat: torch.Tensor, device: jax.Device) -> jax.Array:
+        """A 1-D CPU tensor as a JAX array on ``device``, zero-copy (DLPack)."""
+        private = self.import_call
+        if private is not None:
+            try:
+                return private(flat.__dlpack__(), device, None)
+            except TypeError as err:  # the private signature changed: the public call from now on
+                self.import_call = None
+                fell_back("dlpack_import", err)
+        else:
+            fell_back("dlpack_import")
+        with jax.enable_x64(True):
+            return jax.dlpack.from_dlpack(flat)
+
+    def dlpack_export(self, array: jax.Array) -> torch.Tensor:
+        """A single-device JAX array as a CPU tensor, zero-copy (DLPack)."""
+        private = self.export_call
+        if private is not None:
+            # Export the buffer directly instead of through jax.Array.__dlpack__'s checks.
+            try:
+                return torch.utils.dlpack.from_dlpack(private(array, stream=None))
+            except TypeError as err:
+                self.export_call = None
+                fell_back("dlpack_export", err)
+        else:
+            fell_back("dlpack_export")
+        return torch.from_dlpack(array)
+
+    def loaded_execute(self, compiled: jax.stages.Compiled) -> Callable[[list], list] | None:
+        """``compiled``'s loaded executable's ``execute`` on this process's single-device
+        blocks.
+
+        None when the program has more than one device in this process (the public call is
+        the way then), or when the private call is not there (logged once: :func:`fell_back`).
+        After :meth:`execute_failed`, always None.
+        """
+        if not self.execute_usable:
+            return None
+        try:
+            executable = compiled._executable.xla_executable
+            devices = executable.local_devices()
+            execute = executable.execute
+        except AttributeError as err:
+            fell_back("execute", err)
+            return None
+        return execute if len(devices) == 1 else None
+
+    def execute_failed(self, err: BaseException) -> None:
+        """A call of :meth:`loaded_execute`'s result raised ``TypeError``: the public call from
+        now on (logged once)."""
+        self.execute_usable = False
         fell_back("execute", err)
-        return None
-    return execute if len(devices) == 1 else None
-
-
-def execute_failed(err: BaseException) -> None:
-    """A call of :func:`loaded_execute`'s result raised ``TypeError``: the public call from now
-    on (logged once)."""
-    global _execute_usable
-    _execute_usable = False
-    fell_back("execute", err)
 
 
 @contextlib.contextmanager

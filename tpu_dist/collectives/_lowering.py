@@ -105,7 +105,15 @@ class ProgramCache:
     says where each came from.
     """
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        jaxlib: _jaxlib.JaxlibCalls | None = None,
+        disk: _compile_cache.CompileCache | None = None,
+    ) -> None:
+        self.jaxlib = jaxlib if jaxlib is not None else _jaxlib.JaxlibCalls()
+        """Which private jaxlib calls still work (the runtime's; a new one if none is given)."""
+        self.disk = disk if disk is not None else _compile_cache.CompileCache()
+        """The on-disk compile cache (the runtime's; a new one if none is given)."""
         self.by_key: dict[ProgramKey, Program] = {}
         """Every program built so far. Tests may replace an entry (a program without its
         direct ``execute``, to take the public path)."""
@@ -163,7 +171,7 @@ class ProgramCache:
             found = self.by_key.get(key)
             if found is None:
                 compiled = self._load_or_compile(key, self.program_devices(key, devices))
-                found = Program(compiled, _jaxlib.loaded_execute(compiled))
+                found = Program(compiled, self.jaxlib.loaded_execute(compiled))
                 self.by_key[key] = found
         return found
 
@@ -180,7 +188,8 @@ class ProgramCache:
         rank's block (``make_array_from_single_device_arrays``) and taking the block back out
         of each result (``addressable_data``) cost ~120 us of a ~450 us small all_reduce on CPU
         (benchmarks/, E14). The executable is reached through JAX internals
-        (:func:`._jaxlib.loaded_execute`), so anything unexpected falls back to the public call.
+        (:meth:`._jaxlib.JaxlibCalls.loaded_execute`), so anything unexpected falls back to the
+        public call.
         """
         found = self.program(key, devices)
         if found.execute is not None:
@@ -189,7 +198,7 @@ class ProgramCache:
             try:
                 return found.execute(list(local_blocks))
             except TypeError as err:  # jaxlib changed the private call: the public one now
-                _jaxlib.execute_failed(err)
+                self.jaxlib.execute_failed(err)
                 found = self.by_key[key] = Program(found.compiled, None)
         with _jaxlib.x64_scope():
             devices = self.program_devices(key, devices)
@@ -213,10 +222,12 @@ class ProgramCache:
         here (not JAX's persistent cache), kept serialized for other groups and stored there.
 
         With the cache on, one process of the host compiles a new program while the others
-        wait for its compile turn (:func:`._compile_cache.compile_turn`) and load it."""
+        wait for its compile turn (:meth:`._compile_cache.CompileCache.compile_turn`) and load
+        it."""
         platform = devices[0].platform if devices else ""
         cached = platform == self.platform
-        root = _compile_cache.directory(platform) if cached else None
+        disk = self.disk
+        root = disk.directory(platform) if cached else None
         reuse = cached and platform == "cpu"  # programs serve other groups on CPU only
         placement = _compile_cache.placement_key(key, devices) if reuse else None
         kept = self._serialized.get(placement) if reuse else None
@@ -224,15 +235,15 @@ class ProgramCache:
         if kept is not None:
             compiled = _compile_cache.deserialize(kept, devices, len(key.blocks))
         if compiled is None:
-            found = _compile_cache.load(key, devices, platform) if root is not None else None
+            found = disk.load(key, devices, platform) if root is not None else None
             if found is None:
                 turn = (
                     contextlib.nullcontext() if root is None
-                    else _compile_cache.compile_turn(_compile_cache.entry_name(key, devices), root)
+                    else disk.compile_turn(_compile_cache.entry_name(key, devices), root)
                 )
                 with turn:  # ours, or another process's that has ended: it may have stored it
                     if root is not None:
-                        found = _compile_cache.load(key, devices, platform)
+                        found = disk.load(key, devices, platform)
                     if found is None:  # one call site: the program's source metadata is the same
                         compiled, kept = self._compile(
                             key, devices, reuse or root is not None, root is not None
@@ -266,7 +277,7 @@ class ProgramCache:
         if keep and watch.compiled:
             kept = _compile_cache.serialize(key, devices, compiled)
             if kept is not None and store:
-                _compile_cache.store(key, devices, platform, kept)
+                self.disk.store(key, devices, platform, kept)
         elif store and watch.reason not in self._skip_reasons:
             self._skip_reasons.add(watch.reason)
             logger.info(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tpu_dist import _settings
+from tpu_dist import _process, _settings
 
 
 logger = logging.getLogger(__name__)
@@ -34,15 +34,10 @@ FALLBACK_BACKEND_NAME = "tpu_jax"
 _BUILTIN = (dist.Backend.GLOO, dist.Backend.NCCL, dist.Backend.MPI, "ucc", "xccl", "fake",
             "undefined")
 
-_registered_name: str | None = None
-_warned = False
-
 
 PipelineSource = Callable[[int, int, list[int], int], tuple[Sequence, Any]]
 """``(rank, size, global_ranks, world_size) -> (devices, pipeline)`` for a new group
 (:mod:`tpu_dist.collectives.pipelines`)."""
-
-_pipeline_source: PipelineSource | None = None
 
 
 def set_pipeline_source(source: PipelineSource | None) -> None:
@@ -53,13 +48,12 @@ def set_pipeline_source(source: PipelineSource | None) -> None:
     (:mod:`tpu_dist.compile_job`) installs its recording pipeline this way; no JAX runtime is
     started for such groups and they have no watchdog.
     """
-    global _pipeline_source
-    _pipeline_source = source
+    _process.set_pipeline_source(source)
 
 
 def pipeline_source() -> PipelineSource | None:
     """The source :func:`set_pipeline_source` installed, if any."""
-    return _pipeline_source
+    return _process.pipeline_source()
 
 
 def _create_process_group(
@@ -75,7 +69,7 @@ def _create_process_group(
 
     rank, size = dist_opts.group_rank, dist_opts.group_size
     global_ranks = list(dist_opts.global_ranks_in_group)
-    source = _pipeline_source
+    source = _process.pipeline_source()
     if source is not None:  # another pipeline (compile-only: record, do not run)
         world_size = size if not global_ranks else dist.get_world_size()
         global_ranks = global_ranks or list(range(size))
@@ -139,9 +133,9 @@ def register_backend() -> str:
     Raises:
         ValueError: ``TPU_DIST_BACKEND_NAME`` or ``TPU_DIST_DEFAULT_FOR_CPU`` is malformed.
     """
-    global _registered_name, _warned
-    if _registered_name is not None:
-        return _registered_name
+    registered = _process.backend_name()
+    if registered is not None:
+        return registered
     wanted = _BACKEND_NAME.get()
     default_for_cpu = default_for_cpu_from_env()
     chosen = None
@@ -149,8 +143,7 @@ def register_backend() -> str:
         if _owner(name) in (None, "tpu_dist"):
             chosen = name
             break
-    if chosen != wanted and not _warned:
-        _warned = True
+    if chosen != wanted and _process.first_time(f"{__name__}:name taken"):
         owner = _owner(wanted)
         if chosen is None:
             what = (
@@ -175,7 +168,7 @@ def register_backend() -> str:
     dist.Backend.register_backend(
         chosen, _create_process_group, extended_api=True, devices=["cpu"]
     )
-    _registered_name = chosen
+    _process.set_backend_name(chosen)
     if default_for_cpu:
         make_default_for_cpu()
     return chosen
@@ -192,15 +185,16 @@ def registered_name() -> str | None:
             tpu_dist (torch lets the last registration win), so ``init_process_group`` with
             that name would create the other package's group.
     """
-    if _registered_name is not None and _owner(_registered_name) != "tpu_dist":
+    registered = _process.backend_name()
+    if registered is not None and _owner(registered) != "tpu_dist":
         raise RuntimeError(
-            f"tpu_dist: the backend name {_registered_name!r} was registered by "
-            f"{_owner(_registered_name)} after tpu_dist registered it, and torch now creates "
-            f"that package's groups for {_registered_name!r}. Import tpu_dist after it (tpu_dist "
+            f"tpu_dist: the backend name {registered!r} was registered by "
+            f"{_owner(registered)} after tpu_dist registered it, and torch now creates "
+            f"that package's groups for {registered!r}. Import tpu_dist after it (tpu_dist "
             f"then registers as {FALLBACK_BACKEND_NAME!r}), or set "
             f"{_BACKEND_NAME.env}={FALLBACK_BACKEND_NAME} before importing tpu_dist."
         )
-    return _registered_name
+    return registered
 
 
 def default_for_cpu_from_env() -> bool:

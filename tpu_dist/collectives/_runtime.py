@@ -2,10 +2,14 @@
 
 One :class:`Runtime` per process (:func:`get`) owns everything that lives longer
 than one call: the JAX runtime and its devices, the program cache
-(``_lowering.ProgramCache``), the dispatcher, the point-to-point queue and the
+(``_lowering.ProgramCache``), the on-disk compile cache as this process uses it
+(``_compile_cache.CompileCache``), which private jaxlib calls still work
+(``_jaxlib.JaxlibCalls``), the dispatcher, the point-to-point queue and the
 group counts per device set (``_dispatch``), the completion thread
 (``_work.Completer``) and the watchdog (``_watchdog``). The modules of the
-package keep no per-process state of their own. JAX starts when the first
+package keep no per-process state of their own: what must be process-wide
+(this object itself among it) is declared in :mod:`tpu_dist._process`
+(``tpu_dist/ARCHITECTURE.md``, "Per-process state"). JAX starts when the first
 "tpu" process group is created (the default group, since torch creates it
 first) and lives until the interpreter exits (``destroy_process_group`` leaves
 it running: JAX allows one distributed initialization per process).
@@ -74,9 +78,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tpu_dist import _settings
+from tpu_dist import _process, _settings
 from tpu_dist.mesh import tpu_attached
-from tpu_dist.collectives import _dispatch, _jaxlib, _lowering, _pipeline, _watchdog, _work
+from tpu_dist.collectives import (
+    _compile_cache,
+    _dispatch,
+    _jaxlib,
+    _lowering,
+    _pipeline,
+    _watchdog,
+    _work,
+)
 from tpu_dist.collectives._service import (
     JAX_HEARTBEAT_TIMEOUT_S,
     JAX_SHUTDOWN_TIMEOUT_S,
@@ -118,7 +130,8 @@ def _leave_if_stuck() -> None:
     noted (``tpu_dist.launch.EXIT_CODE_VAR``; 1 without it). Exit handlers registered before
     tpu_dist was imported do not run then.
     """
-    watchdog = _current.watchdog if _current is not None else None
+    runtime = _process.runtime()
+    watchdog = runtime.watchdog if runtime is not None else None
     if watchdog is None or not watchdog.stuck():
         return
     try:
@@ -159,7 +172,8 @@ class Runtime:
 
     It owns the stages of a collective's life that outlive one call: the JAX runtime
     (:attr:`info`, :attr:`devices`, started by :meth:`start`), the compiled programs
-    (:attr:`programs`), the ordered dispatch of programs and the queue of point-to-point
+    (:attr:`programs`, with the on-disk cache :attr:`disk_cache` and the private jaxlib calls
+    :attr:`jaxlib`), the ordered dispatch of programs and the queue of point-to-point
     ops (:attr:`dispatcher`, :attr:`p2p`, :attr:`device_sets`), the thread that completes
     works whose future was asked for (:attr:`completer`) and the watchdog (:attr:`watchdog`,
     started by :meth:`start_watchdog`). It is the composition root: it builds each group's
@@ -174,7 +188,12 @@ class Runtime:
         """What JAX was started with; None before the first "tpu" group."""
         self.devices: list[jax.Device] | None = None
         """The JAX device owned by each global rank, indexed by rank (module doc)."""
-        self.programs = _lowering.ProgramCache()
+        self.jaxlib = _jaxlib.JaxlibCalls()
+        """Which private jaxlib calls still work in this process (DLPack hand-off, direct
+        execute): used by :meth:`to_jax`, :meth:`to_torch` and the program cache."""
+        self.disk_cache = _compile_cache.CompileCache()
+        """The on-disk compile cache as this process uses it (its checked, open directories)."""
+        self.programs = _lowering.ProgramCache(self.jaxlib, self.disk_cache)
         self.dispatcher = _dispatch.Dispatcher(self.programs, self.to_jax, self.to_torch)
         self.p2p = _dispatch.P2PQueue()
         self.device_sets = _dispatch.DeviceSets()
@@ -387,7 +406,7 @@ class Runtime:
         if not self._on_cpu:
             with x64_scope():
                 return jax.device_put(_as_numpy(flat), device)
-        return _jaxlib.dlpack_import(flat, device)
+        return self.jaxlib.dlpack_import(flat, device)
 
     def to_torch(self, array: jax.Array) -> torch.Tensor:
         """A JAX result block as a CPU tensor (zero-copy on the CPU platform)."""
@@ -396,27 +415,18 @@ class Runtime:
             if host.dtype == jnp.bfloat16:
                 return torch.from_numpy(host.view(np.int16).copy()).view(torch.bfloat16)
             return torch.from_numpy(host.copy())
-        return _jaxlib.dlpack_export(array)
-
-
-_current: Runtime | None = None
-_creating = threading.Lock()
+        return self.jaxlib.dlpack_export(array)
 
 
 def get() -> Runtime:
-    """This process's :class:`Runtime`, created on first use (the first "tpu" group)."""
-    runtime = _current
+    """This process's :class:`Runtime`, created on first use (the first "tpu" group).
+
+    The one object is kept in :mod:`tpu_dist._process` (process-wide state, declared once).
+    """
+    runtime = _process.runtime()
     if runtime is None:
-        runtime = _create()
+        runtime = _process.runtime_or_create(Runtime)
     return runtime
-
-
-def _create() -> Runtime:
-    global _current
-    with _creating:
-        if _current is None:
-            _current = Runtime()
-        return _current
 
 
 def _not_started() -> RuntimeError:
@@ -428,7 +438,8 @@ def _not_started() -> RuntimeError:
 
 def info() -> RuntimeInfo | None:
     """The running runtime's :class:`RuntimeInfo`, or None before the first group."""
-    return _current.info if _current is not None else None
+    runtime = _process.runtime()
+    return runtime.info if runtime is not None else None
 
 
 def attempt() -> int:

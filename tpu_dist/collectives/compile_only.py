@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from tpu_dist import _process
 from tpu_dist.collectives import _jaxlib, _lowering, _plan
 from tpu_dist.collectives._lowering import ProgramKey, part_of_slice_hint
 
@@ -218,8 +219,6 @@ def topology_devices(topology: Topology) -> list[jax.Device]:
     return ordered
 
 
-_libtpu_env_logged = False
-
 
 @contextlib.contextmanager
 def _host_described_to_libtpu(topology: Topology) -> Iterator[None]:
@@ -237,14 +236,12 @@ def _host_described_to_libtpu(topology: Topology) -> Iterator[None]:
     process or its children sees them), only there (not on a TPU VM, where libtpu reads its
     metadata) and only when the user has not set them; logged at INFO, once.
     """
-    global _libtpu_env_logged
     chosen: dict[str, str] = {}
     if os.environ.get("TPU_SKIP_MDS_QUERY"):  # else: a TPU VM, libtpu asks its metadata server
         wanted = {"TPU_ACCELERATOR_TYPE": topology.accelerator_type,
                   "TPU_WORKER_HOSTNAMES": "localhost"}
         chosen = {k: v for k, v in wanted.items() if k not in os.environ}
-    if chosen and not _libtpu_env_logged:
-        _libtpu_env_logged = True
+    if chosen and _process.first_time(f"{__name__}:libtpu variables"):
         logger.info(
             "tpu_dist: set %s while libtpu loads its compile-only devices (no TPU attached; "
             "libtpu reads them when it loads)", ", ".join(f"{k}={v}" for k, v in chosen.items())

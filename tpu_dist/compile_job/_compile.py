@@ -195,14 +195,17 @@ def _over(group_size: int, groups: int) -> str:
     return f"{groups} groups of {group_size} ({groups * group_size} devices)"
 
 
-def _human_bytes(n: int) -> str:
+def _human_bytes(n: int, digits: int = 1) -> str:
+    """``n`` bytes in the largest binary unit it reaches, with ``digits`` decimals ("1.5 MiB");
+    under a KiB, whole bytes ("12 B"). The report's table uses 1, the step report 2."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
+            return f"{n / size:.{digits}f} {unit}"
     return f"{n} B"
 
 
 def _human_seconds(s: float) -> str:
+    """``s`` seconds with 3 significant digits in s, ms, us or ns ("12.5 ms")."""
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if s >= scale:
             return f"{s / scale:.3g} {unit}"

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tpu_dist import _process
 from tpu_dist.collectives import pipelines
 from tpu_dist.compile_job._compile import CompileReport, Compiler, compile_calls, libtpu_topology
 from tpu_dist.compile_job._recording import RecordedCall, Recorder, RecordingPipeline
@@ -141,24 +142,19 @@ class Session:
         return dataclasses.replace(report, step=step)
 
 
-_active: Session | None = None
-
-
 def activate() -> Session:
     """This process's compile-only session, created and activated on the first call.
 
     ``tpu-launch --compile-only``'s process calls it before running the script; ``import
-    tpu_dist`` calls it when ``TPU_DIST_COMPILE_ONLY=1``.
+    tpu_dist`` calls it when ``TPU_DIST_COMPILE_ONLY=1``. The one session is kept in
+    :mod:`tpu_dist._process` (process-wide state, declared once).
     """
-    global _active
-    if _active is None:
-        _active = Session().activate()
-    return _active
+    return _process.compile_only_session_or_create(lambda: Session().activate())
 
 
 def active_session() -> Session | None:
     """The session :func:`activate` made, if any."""
-    return _active
+    return _process.compile_only_session()
 
 
 def world_devices(world_size: int) -> tuple[Topology, Sequence[Any]]:

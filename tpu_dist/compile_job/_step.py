@@ -49,6 +49,7 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
 )
 
+from tpu_dist.compile_job._compile import _human_bytes, _human_seconds
 from tpu_dist.compile_job._estimate import StepEstimate, step_estimate
 
 if TYPE_CHECKING:
@@ -418,18 +419,12 @@ def _ordinal(n: int) -> str:
     return {1: "1st", 2: "2nd", 3: "3rd"}.get(n, f"{n}th")
 
 
-def _secs(s: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if s >= scale:
-            return f"{s / scale:.3g} {unit}"
-    return f"{s * 1e9:.3g} ns"
+_secs = _human_seconds
 
 
 def _gib(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    """The step report's byte counts: the compile report's format with 2 decimals."""
+    return _human_bytes(n, digits=2)
 
 
 def step_report(
