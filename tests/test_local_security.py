@@ -150,7 +150,7 @@ def _build_one(rank: int, world_size: int, cache: str, swap_to: str) -> tuple[st
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", 2)
     jax.config.update("jax_enable_compilation_cache", False)  # only tpu_dist's cache
-    from tpu_dist.collectives import ProgramKey, _compile_cache
+    from tpu_dist.collectives import ProgramKey
     from tpu_dist.collectives._lowering import ProgramCache
 
     records: list[str] = []
