@@ -195,6 +195,7 @@ _OTHER_OWNERS = {
     "register_generation (the public seam for generations to come) writes it, at import and "
     "from user code; one table of hardware facts, kept with its accessors",
     ("tpu_dist.mesh._generations", "_BY_ALIAS"): "the same registry, by alias",
+    ("tpu_dist.mesh._generations", "_BY_DEVICE_KIND"): "the same registry, by JAX device kind",
     ("tpu_dist.launch._rendezvous", "_waiting"): "tpu-launch's own process (never a worker): "
     "what it waits for, read by its signal handler, which is process-wide",
     ("tpu_dist.launch._rendezvous", "_services"): "tpu-launch's own process: the coordination "
@@ -208,9 +209,6 @@ _MEMOISED = {
     ("tpu_dist.mesh._plan", "_plan_slice"): "a device layout of constant shapes",
     ("tpu_dist.collectives._plan", "_itemsize"): "a dtype's size",
     ("tpu_dist.collectives._plan", "choose_algorithm"): "a pure function of its arguments",
-    ("tpu_dist.collectives._plan", "_generation_of"): "a device kind's generation, on every "
-    "TPU family call (2.5 us uncached). Not quite constant: a generation registered after its "
-    "kind was looked up is not seen; mesh could keep a by-device-kind index (follow-up)",
     ("tpu_dist.collectives._call_forms", "_signature"): "a function's signature",
     ("tpu_dist.collectives._compile_cache", "_code_fingerprint"): "a digest of the installed "
     "source files",

@@ -293,6 +293,38 @@ def test_family_programs_on_cpu_v5e_and_v6e_only() -> None:
             assert key.devices == ((0, 1, 2, 3) if groups == 2 else (0, 1)), key
 
 
+@pytest.fixture
+def generation_registry():
+    """Put the process's generation registry back as it was after the test."""
+    from tpu_dist.mesh import _generations as reg
+
+    saved = [dict(table) for table in (reg._GENERATIONS, reg._BY_ALIAS, reg._BY_DEVICE_KIND)]
+    yield reg
+    for table, old in zip((reg._GENERATIONS, reg._BY_ALIAS, reg._BY_DEVICE_KIND), saved):
+        table.clear()
+        table.update(old)
+
+
+def test_a_generation_registered_later_is_seen_by_the_plan(generation_registry) -> None:
+    # A device kind nobody registered plans family programs; once a generation that compiles
+    # group programs registers that kind, the next plan sees it (an earlier answer is not kept).
+    import dataclasses
+
+    from tpu_dist.mesh import generation_of_device_kind, get_generation, register_generation
+
+    family, f32 = ((0, 1), (2, 3)), ((8, "float32"),)
+    assert _plan.program_key("allreduce", (0, 1), f32, ("SUM",), "tpu", family, "TPU v99").groups == 2
+    v99 = dataclasses.replace(get_generation("v5p"), name="v99", device_kind="TPU v99", other_device_kinds=(),
+                              accelerator_prefix="v99", aliases=())
+    register_generation(v99)
+    assert generation_of_device_kind("TPU v99") is v99
+    assert _plan.program_key("allreduce", (0, 1), f32, ("SUM",), "tpu", family, "TPU v99").groups == 1
+    # A device kind names one generation.
+    with pytest.raises(ValueError, match="device kind 'TPU v99' of v100 is already v99's"):
+        register_generation(dataclasses.replace(v99, name="v100", accelerator_prefix="v100"))
+    assert generation_of_device_kind("TPU v99") is v99
+
+
 def test_plans_carry_the_algorithm_of_their_platform() -> None:
     t = torch.ones(4, dtype=torch.float64)
     assert _plan.all_reduce(CPU4, [t], MAX).key.algorithm == "exchange"

@@ -31,16 +31,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _checks
 from tpu_dist.collectives._types import Kind, ProgramKey
-
-if TYPE_CHECKING:
-    from tpu_dist.mesh import Generation
+from tpu_dist.mesh import generation_of_device_kind
 
 Algorithm = Literal["xla", "exchange", "gather_reduce"]
 """How a program carries out its kind (:attr:`ProgramKey.algorithm`):
@@ -291,19 +289,8 @@ def uses_family_program(platform: str, device_kind: str) -> bool:
     """
     if platform != "tpu":
         return True
-    generation = _generation_of(device_kind)
+    generation = generation_of_device_kind(device_kind)
     return generation is None or generation.collectives_span_slice
-
-
-@functools.lru_cache(maxsize=64)
-def _generation_of(device_kind: str) -> Generation | None:
-    """The TPU generation whose devices report ``device_kind``, if tpu_dist knows it."""
-    from tpu_dist.mesh import generations
-
-    for generation in generations().values():
-        if device_kind in generation.device_kinds:
-            return generation
-    return None
 
 
 # -- blocks --------------------------------------------------------------------------------

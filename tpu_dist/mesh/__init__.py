@@ -35,6 +35,7 @@ from tpu_dist.mesh._host import count_local_tpu_chips, tpu_attached, tpu_device_
 from tpu_dist.mesh._plan import plan_mesh
 from tpu_dist.mesh._generations import (
     Generation,
+    generation_of_device_kind,
     generations,
     get_generation,
     register_generation,
@@ -53,6 +54,7 @@ __all__ = [
     "count_local_tpu_chips",
     "current_topology",
     "expected_busbw",
+    "generation_of_device_kind",
     "generations",
     "get_generation",
     "init_device_mesh",

@@ -338,6 +338,7 @@ class Generation:
 
 _GENERATIONS: dict[str, Generation] = {}
 _BY_ALIAS: dict[str, Generation] = {}
+_BY_DEVICE_KIND: dict[str, Generation] = {}
 
 
 def register_generation(generation: Generation) -> Generation:
@@ -349,13 +350,24 @@ def register_generation(generation: Generation) -> Generation:
         other = _BY_ALIAS.get(alias)
         if other is not None and other.name != generation.name:
             raise ValueError(f"{alias=} of {generation.name} already names {other.name}")
+    for kind in generation.device_kinds:
+        other = _BY_DEVICE_KIND.get(kind)
+        if other is not None and other.name != generation.name:
+            raise ValueError(
+                f"device kind {kind!r} of {generation.name} is already {other.name}'s; a device "
+                "kind names one generation"
+            )
     old = _GENERATIONS.get(generation.name)
     if old is not None:
         for alias in _names(old):
             _BY_ALIAS.pop(alias, None)
+        for kind in old.device_kinds:
+            _BY_DEVICE_KIND.pop(kind, None)
     _GENERATIONS[generation.name] = generation
     for alias in _names(generation):
         _BY_ALIAS[alias] = generation
+    for kind in generation.device_kinds:
+        _BY_DEVICE_KIND[kind] = generation
     return generation
 
 
@@ -377,6 +389,12 @@ def get_generation(name: str | Generation) -> Generation:
     if found is None:
         raise ValueError(f"unknown TPU generation {name!r}; supported: {_supported_names()}")
     return found
+
+
+def generation_of_device_kind(device_kind: str) -> Generation | None:
+    """The registered generation whose devices report ``device_kind`` (JAX's
+    ``Device.device_kind``, e.g. ``"TPU v5 lite"``), or None if none does."""
+    return _BY_DEVICE_KIND.get(device_kind)
 
 
 def generations() -> Mapping[str, Generation]:

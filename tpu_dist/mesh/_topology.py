@@ -37,6 +37,7 @@ from tpu_dist.mesh._generations import (
     V7X,
     Generation,
     format_shape,
+    generation_of_device_kind,
     generations,
     get_generation,
 )
@@ -243,11 +244,11 @@ class Topology:
         kinds = sorted({d.device_kind for d in devices})
         if len(kinds) != 1:
             raise ValueError(f"devices of one TPU generation expected, got kinds {kinds}")
-        by_kind = {k: g for g in generations().values() for k in g.device_kinds}
-        gen = by_kind.get(kinds[0])
+        gen = generation_of_device_kind(kinds[0])
         if gen is None:
+            known = sorted(k for g in generations().values() for k in g.device_kinds)
             raise ValueError(
-                f"unknown TPU device_kind {kinds[0]!r}; known: {sorted(by_kind)}; "
+                f"unknown TPU device_kind {kinds[0]!r}; known: {known}; "
                 "register_generation() can add it"
             )
         nd = gen.torus_ndim
