@@ -33,10 +33,16 @@ sys.path.insert(0, ROOT)
 EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp_tp.py")
 
 from tpu_dist.compile_job import flops_per_token  # noqa: E402
-from tpu_dist.compile_job._estimate import LLAMA3_1_70B, LLAMA3_1_405B, LLAMA3_8B  # noqa: E402
+from tpu_dist.compile_job._estimate import (  # noqa: E402
+    LLAMA3_1_70B,
+    LLAMA3_1_405B,
+    LLAMA3_8B,
+    QWEN3_32B,
+)
 from tpu_dist.mesh import Topology  # noqa: E402
 
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_1_70B, "llama3-405b": LLAMA3_1_405B}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_1_70B, "llama3-405b": LLAMA3_1_405B,
+          "qwen3-32b": QWEN3_32B}
 
 # name -> (preset, topology, tp, sequences per dp rank, MaxText's (s/step, MFU) or None)
 CASES = {
@@ -49,17 +55,25 @@ CASES = {
     "405b-maxtext": ("llama3-405b", "tpu7x:4x8x8", 1, 3, (98.34, 0.547)),
     # Small, for a quick look at the pipeline.
     "8b-small": ("llama3-8b", "tpu7x:2x2x1", 2, 1, None),
+    "qwen3-32b-small": ("qwen3-32b", "tpu7x:2x2x1", 2, 1, None),
+    # Two v5p slices of 512 chips (1,024 devices): tp 8 inside a slice, dp 128 across both
+    # (its groups cross the DCN).
+    "70b-v5p-2slices": ("llama3-70b", "v5p:8x8x8", 8, 1, None),
 }
+SLICES = {"70b-v5p-2slices": 2}
+"""Cases on more than one slice: name -> slices (``--num-slices``)."""
 SEQ = 8192
 
 
 def run(name: str, limit_gib: float, steps: int = 2) -> dict:
     preset, topology, tp, seqs, published = CASES[name]
-    devices = Topology.parse(topology).num_devices
+    slices = SLICES.get(name, 1)
+    devices = Topology.parse(topology).num_devices * slices
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "report.json")
         cmd = ["prlimit", f"--as={int(limit_gib * 2**30)}", sys.executable, "-m",
-               "tpu_dist.launch", "--emulate", topology, "--compile-only", "--compile-report",
+               "tpu_dist.launch", "--emulate", topology, "--num-slices", str(slices),
+               "--compile-only", "--compile-report",
                report_path, EXAMPLE, "--model", preset, "--tp", str(tp), "--seq-len", str(SEQ),
                "--seqs-per-dp-rank", str(seqs), "--mixed-precision", "bf16",
                "--activation-checkpointing", "--steps", str(steps)]
@@ -75,7 +89,8 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
         svg = os.path.join(tmp, "report.step.svg")
         picture = open(svg).read() if os.path.exists(svg) else None
     row: dict = {
-        "case": name, "preset": preset, "topology": topology, "devices": devices, "tp": tp,
+        "case": name, "preset": preset, "topology": topology, "slices": slices,
+        "devices": devices, "tp": tp,
         "seqs_per_dp_rank": seqs, "steps": steps, "exit": code, "wall_seconds": round(wall, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
         "peak_rss_mib": usage.ru_maxrss // 1024,
@@ -90,7 +105,17 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
         programs=len(rows), failed=[(c["op"], c["group_size"], c["error"][:120])
                                     for c in rows if not c["compiled"]],
         table_tail=out.strip().splitlines()[-16:],
+        script_lines=[line for line in out.splitlines()
+                      if line.startswith(("FSDP2 x TP", "step ", "final loss"))][:8],
     )
+    # The script's time split: each step's wall time (the example prints tokens/s of the global
+    # batch), the rest of the script (start, model, tensor parallelism, fully_shard) before.
+    step_seconds = []
+    for line in row["script_lines"]:
+        if line.startswith("step ") and "tokens/s" in line:
+            rate = float(line.split("|")[2].split()[0])
+            step_seconds.append(round(devices // tp * seqs * SEQ / rate, 1) if rate else None)
+    row["script_step_seconds"] = step_seconds
     step = report.get("step")
     row["step"] = {k: v for k, v in (step or {}).items() if k != "rules"}
     if step and preset in SHAPES:
