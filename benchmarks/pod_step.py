@@ -122,6 +122,7 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
         dp = devices // tp
         tokens_per_device = seqs * SEQ / tp  # one dp rank's tokens over its tp ranks
         analytic = flops_per_token(SHAPES[preset], SEQ) * tokens_per_device
+        maxtext = flops_per_token(SHAPES[preset], SEQ, "maxtext") * tokens_per_device
         # The count includes the recomputation of activation checkpointing: each block's
         # forward runs again in the backward, up to the last op whose saved output the backward
         # needs (torch's non-reentrant checkpoint stops early: the MLP's down projection w2,
@@ -148,6 +149,11 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
                 "bound_over_measured": step["step_seconds"] / measured,
                 "model_flop_mfu_bound": analytic / (step["step_seconds"] * peak),
                 "model_flop_mfu_at_measured": analytic / (measured * peak),
+                # MaxText's own count (causal attention halved), the one its MFU is of.
+                "maxtext_flop_mfu_bound": maxtext / (step["step_seconds"] * peak),
+                "maxtext_flop_mfu_at_measured": maxtext / (measured * peak),
+                "maxtext_mfu_bound_over_measured_mfu":
+                    maxtext / (step["step_seconds"] * peak) / mfu,
             }
     row["svg_bytes"] = len(picture) if picture else 0
     return row

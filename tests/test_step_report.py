@@ -351,3 +351,27 @@ def test_lazy_chunks_are_torch_chunks() -> None:
             assert (g.shape, g.stride(), g.storage_offset()) == (
                 w.shape, w.stride(), w.storage_offset()), (rows, cols, n, dim, i)
             assert torch.equal(g, w)
+
+
+def test_a_script_the_meter_breaks_runs_on_and_the_step_is_reported_missing() -> None:
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient, which torch's MemTracker cannot
+    track (``Cannot access storage of SparseTensorImpl``). Under the meter the script must run
+    to its end with the same results as without it (SGD on the sparse gradient: the same
+    weights after two steps), and the meter must say why it measured nothing."""
+    def run(meter: StepMeter | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Embedding(100, 8, sparse=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ids = torch.randint(0, 100, (4, 5))
+        with meter if meter is not None else torch.no_grad():
+            for _ in range(2):
+                with torch.enable_grad():
+                    model(ids).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return model.weight.detach().clone()
+
+    meter = StepMeter()
+    assert torch.equal(run(meter), run(None))
+    assert meter.error is not None and "SparseTensorImpl" in meter.error
+    assert meter.chosen() is None

@@ -126,6 +126,9 @@ class CompileReport:
     compile_seconds: float
     step: Any = None
     """The measured step (:class:`~._step.StepReport`), if the script completed one."""
+    step_error: str | None = None
+    """Why no step was measured although the script ran (the step meter failed on something
+    the script did: where, and the error; :attr:`~._step.StepMeter.error`), else None."""
 
     @property
     def ok(self) -> bool:
@@ -141,6 +144,7 @@ class CompileReport:
             "script_seconds": round(self.script_seconds, 3),
             "compile_seconds": round(self.compile_seconds, 3),
             "step": None if self.step is None else self.step.to_json(),
+            "step_error": self.step_error,
             "collectives": [c.to_json() for c in self.collectives],
         }
 
@@ -179,6 +183,9 @@ class CompileReport:
                              f"{c.first_call}:\n  {c.error}")
         if self.step is not None:
             lines += ["", *self.step.format_lines()]
+        if self.step_error is not None:
+            lines += ["", "step: not measured (the collectives above are complete): the step "
+                      f"meter stopped at {self.step_error}"]
         lines.append("")
         lines.append("group: the group's size; 'N xG': one program for the G groups of N of its "
                      "mesh dimension (a family program). est/call: message size over the "
