@@ -106,14 +106,16 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
                                     for c in rows if not c["compiled"]],
         table_tail=out.strip().splitlines()[-16:],
         script_lines=[line for line in out.splitlines()
-                      if line.startswith(("FSDP2 x TP", "step ", "final loss"))][:8],
+                      if line.startswith(("FSDP2 x TP", "step ", "final loss"))
+                      and not line.startswith("step (")][:8],
     )
     # The script's time split: each step's wall time (the example prints tokens/s of the global
     # batch), the rest of the script (start, model, tensor parallelism, fully_shard) before.
     step_seconds = []
     for line in row["script_lines"]:
-        if line.startswith("step ") and "tokens/s" in line:
-            rate = float(line.split("|")[2].split()[0])
+        parts = line.split("|")
+        if len(parts) == 3 and parts[0].split()[1:2] and parts[0].split()[1].isdigit():
+            rate = float(parts[2].split()[0])
             step_seconds.append(round(devices // tp * seqs * SEQ / rate, 1) if rate else None)
     row["script_step_seconds"] = step_seconds
     step = report.get("step")
