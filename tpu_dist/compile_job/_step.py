@@ -204,8 +204,6 @@ class _DTensorTokens(TorchDispatchMode):
         return out
 
 
-
-
 def _peak_tracker(guard: _Guard) -> Any:
     """A :class:`MemTracker` whose peak can be restarted at a step's start, its dispatch and
     hooks under ``guard`` (None if torch's tracker is missing)."""
