@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,7 @@ SLICES = {"70b-v5p-2slices": 2}
 SEQ = 8192
 
 
-def run(name: str, limit_gib: float, steps: int = 2) -> dict:
+def run(name: str, limit_gib: float, steps: int = 2, keep: str | None = None) -> dict:
     preset, topology, tp, seqs, published = CASES[name]
     slices = SLICES.get(name, 1)
     devices = Topology.parse(topology).num_devices * slices
@@ -88,6 +89,11 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
         report = json.load(open(report_path)) if os.path.exists(report_path) else None
         svg = os.path.join(tmp, "report.step.svg")
         picture = open(svg).read() if os.path.exists(svg) else None
+        if keep:  # the run's files, before the directory goes
+            os.makedirs(keep, exist_ok=True)
+            for kept in ("report.json", "report.step.svg", "out", "err"):
+                if os.path.exists(os.path.join(tmp, kept)):
+                    shutil.copy(os.path.join(tmp, kept), os.path.join(keep, f"{name}.{kept}"))
     row: dict = {
         "case": name, "preset": preset, "topology": topology, "slices": slices,
         "devices": devices, "tp": tp,
@@ -99,6 +105,16 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
     if report is None:
         row["error"] = (err or out)[-3000:]
         return row
+    describe(row, report, out)
+    row["svg_bytes"] = len(picture) if picture else 0
+    return row
+
+
+def describe(row: dict, report: dict, out: str) -> None:
+    """Add to ``row`` (a case's name, preset, topology, devices, tp, sequences) what the
+    report and the script's output say (docstring)."""
+    name, preset, devices, tp = row["case"], row["preset"], row["devices"], row["tp"]
+    seqs, published = row["seqs_per_dp_rank"], CASES[name][4]
     rows = report["collectives"]
     row.update(
         script_seconds=report["script_seconds"], compile_seconds=report["compile_seconds"],
@@ -157,8 +173,6 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
                 "maxtext_mfu_bound_over_measured_mfu":
                     maxtext / (step["step_seconds"] * peak) / mfu,
             }
-    row["svg_bytes"] = len(picture) if picture else 0
-    return row
 
 
 def main() -> None:
@@ -171,9 +185,11 @@ def main() -> None:
                              "a steady state. 1 halves the time; its step creates the optimizer "
                              "state)")
     parser.add_argument("--out", default=None, help="append one JSON line per case here")
+    parser.add_argument("--keep", default=None,
+                        help="copy each run's report, picture and output into this directory")
     args = parser.parse_args()
     for name in args.cases:
-        row = run(name, args.limit_gib, args.steps)
+        row = run(name, args.limit_gib, args.steps, args.keep)
         print(json.dumps(row, indent=1), flush=True)
         if args.out:
             with open(args.out, "a") as f:
