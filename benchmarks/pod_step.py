@@ -54,6 +54,9 @@ CASES = {
     # MaxText's recipes: pure FSDP (tp 1), sequences per device.
     "70b-maxtext": ("llama3-70b", "tpu7x:4x8x8", 1, 2, (12.27, 0.520)),
     "405b-maxtext": ("llama3-405b", "tpu7x:4x8x8", 1, 3, (98.34, 0.547)),
+    # How the run grows with the world: the 8B layout at 512 and 4,096 devices (and 8b-pod).
+    "8b-512": ("llama3-8b", "tpu7x:4x8x8", 8, 1, None),
+    "8b-4096": ("llama3-8b", "tpu7x:16x16x8", 8, 1, None),
     # Small, for a quick look at the pipeline.
     "8b-small": ("llama3-8b", "tpu7x:2x2x1", 2, 1, None),
     "qwen3-32b-small": ("qwen3-32b", "tpu7x:2x2x1", 2, 1, None),

@@ -487,7 +487,8 @@ class StepReport:
         if self.unestimated:
             lines.append(
                 f"({self.unestimated} kind(s) of collective in the step have no time: their "
-                "groups stay within one chip, whose die-to-die link the model does not price)")
+                "groups stay within one chip: one device, nothing moves, or a TPU7x chip's two "
+                "cores, whose die-to-die link the model does not price)")
         if self.costliest:
             lines.append("costliest collectives per step:")
             for c in self.costliest:
