@@ -375,3 +375,28 @@ def test_a_script_the_meter_breaks_runs_on_and_the_step_is_reported_missing() ->
     assert torch.equal(run(meter), run(None))
     assert meter.error is not None and "SparseTensorImpl" in meter.error
     assert meter.chosen() is None
+
+
+def test_a_program_the_compiler_does_not_finish_is_stopped_and_reported() -> None:
+    """The compiler child gets ``Compiler.timeout`` seconds a program. An all_reduce over the 4
+    devices of ``v5p:2x2x1`` compiles (warm child, generous limit); the same program under a
+    limit of 0 s is stopped and reported as failed with the limit in its message; the next
+    program compiles again, in a new child."""
+    pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
+    from tpu_dist.collectives._types import ProgramKey
+    from tpu_dist.compile_job._compile import Compiler
+
+    compiler = Compiler(Topology.parse("v5p:2x2x1"), timeout=300)
+    try:
+        keys = [ProgramKey("allreduce", (0, 1, 2, 3), ((n, "float32"),), ("SUM",))
+                for n in (8, 16, 32)]
+        ok, ops, _, _, error = compiler.compile(keys[0])
+        assert ok and "all-reduce" in ops and error is None
+        compiler.timeout = 0.0
+        ok, _, _, _, error = compiler.compile(keys[1])
+        assert not ok and "did not finish this program within 0 s" in error
+        compiler.timeout = 300
+        ok, ops, _, _, error = compiler.compile(keys[2])
+        assert ok and "all-reduce" in ops, error
+    finally:
+        compiler.close()
