@@ -56,7 +56,7 @@ CASES = {
     "405b-maxtext": ("llama3-405b", "tpu7x:4x8x8", 1, 3, (98.34, 0.547)),
     # How the run grows with the world: the 8B layout at 512 and 4,096 devices (and 8b-pod).
     "8b-512": ("llama3-8b", "tpu7x:4x8x8", 8, 1, None),
-    "8b-4096": ("llama3-8b", "tpu7x:16x16x8", 8, 1, None),
+    "8b-4096": ("llama3-8b", "tpu7x:8x16x16", 8, 1, None),
     # Small, for a quick look at the pipeline.
     "8b-small": ("llama3-8b", "tpu7x:2x2x1", 2, 1, None),
     "qwen3-32b-small": ("qwen3-32b", "tpu7x:2x2x1", 2, 1, None),
