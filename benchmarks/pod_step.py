@@ -12,10 +12,11 @@ compiler), whether every program compiled, and the report's ``"step"`` object ne
   sequences per device, measured step and MFU; benchmarks/README.md E36), the bound over the
   measured step and the model-FLOP MFU the bound allows.
 
-Reported, not asserted. One JSON line per case goes to ``--out`` as well.
+Reported, not asserted. One JSON line per case goes to ``--out`` as well, and ``--keep DIR``
+keeps each run's report, picture and output. Measured: benchmarks/README.md E42.
 
     python benchmarks/pod_step.py --cases 8b-pod 70b-pod
-    python benchmarks/pod_step.py --cases 70b-maxtext
+    python benchmarks/pod_step.py --cases 70b-maxtext --keep runs/
 """
 
 from __future__ import annotations
