@@ -12,10 +12,11 @@ compiler), whether every program compiled, and the report's ``"step"`` object ne
   sequences per device, measured step and MFU; benchmarks/README.md E36), the bound over the
   measured step and the model-FLOP MFU the bound allows.
 
-Reported, not asserted. One JSON line per case goes to ``--out`` as well.
+Reported, not asserted. One JSON line per case goes to ``--out`` as well, and ``--keep DIR``
+keeps each run's report, picture and output. Measured: benchmarks/README.md E42.
 
     python benchmarks/pod_step.py --cases 8b-pod 70b-pod
-    python benchmarks/pod_step.py --cases 70b-maxtext
+    python benchmarks/pod_step.py --cases 70b-maxtext --keep runs/
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,10 +35,16 @@ sys.path.insert(0, ROOT)
 EXAMPLE = os.path.join(ROOT, "examples", "train_fsdp_tp.py")
 
 from tpu_dist.compile_job import flops_per_token  # noqa: E402
-from tpu_dist.compile_job._estimate import LLAMA3_1_70B, LLAMA3_1_405B, LLAMA3_8B  # noqa: E402
+from tpu_dist.compile_job._estimate import (  # noqa: E402
+    LLAMA3_1_70B,
+    LLAMA3_1_405B,
+    LLAMA3_8B,
+    QWEN3_32B,
+)
 from tpu_dist.mesh import Topology  # noqa: E402
 
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_1_70B, "llama3-405b": LLAMA3_1_405B}
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_1_70B, "llama3-405b": LLAMA3_1_405B,
+          "qwen3-32b": QWEN3_32B}
 
 # name -> (preset, topology, tp, sequences per dp rank, MaxText's (s/step, MFU) or None)
 CASES = {
@@ -47,19 +55,30 @@ CASES = {
     # MaxText's recipes: pure FSDP (tp 1), sequences per device.
     "70b-maxtext": ("llama3-70b", "tpu7x:4x8x8", 1, 2, (12.27, 0.520)),
     "405b-maxtext": ("llama3-405b", "tpu7x:4x8x8", 1, 3, (98.34, 0.547)),
+    # How the run grows with the world: the 8B layout at 512 and 4,096 devices (and 8b-pod).
+    "8b-512": ("llama3-8b", "tpu7x:4x8x8", 8, 1, None),
+    "8b-4096": ("llama3-8b", "tpu7x:8x16x16", 8, 1, None),
     # Small, for a quick look at the pipeline.
     "8b-small": ("llama3-8b", "tpu7x:2x2x1", 2, 1, None),
+    "qwen3-32b-small": ("qwen3-32b", "tpu7x:2x2x1", 2, 1, None),
+    # Two v5p slices of 512 chips (1,024 devices): tp 8 inside a slice, dp 128 across both
+    # (its groups cross the DCN).
+    "70b-v5p-2slices": ("llama3-70b", "v5p:8x8x8", 8, 1, None),
 }
+SLICES = {"70b-v5p-2slices": 2}
+"""Cases on more than one slice: name -> slices (``--num-slices``)."""
 SEQ = 8192
 
 
-def run(name: str, limit_gib: float, steps: int = 2) -> dict:
+def run(name: str, limit_gib: float, steps: int = 2, keep: str | None = None) -> dict:
     preset, topology, tp, seqs, published = CASES[name]
-    devices = Topology.parse(topology).num_devices
+    slices = SLICES.get(name, 1)
+    devices = Topology.parse(topology).num_devices * slices
     with tempfile.TemporaryDirectory() as tmp:
         report_path = os.path.join(tmp, "report.json")
         cmd = ["prlimit", f"--as={int(limit_gib * 2**30)}", sys.executable, "-m",
-               "tpu_dist.launch", "--emulate", topology, "--compile-only", "--compile-report",
+               "tpu_dist.launch", "--emulate", topology, "--num-slices", str(slices),
+               "--compile-only", "--compile-report",
                report_path, EXAMPLE, "--model", preset, "--tp", str(tp), "--seq-len", str(SEQ),
                "--seqs-per-dp-rank", str(seqs), "--mixed-precision", "bf16",
                "--activation-checkpointing", "--steps", str(steps)]
@@ -74,8 +93,14 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
         report = json.load(open(report_path)) if os.path.exists(report_path) else None
         svg = os.path.join(tmp, "report.step.svg")
         picture = open(svg).read() if os.path.exists(svg) else None
+        if keep:  # the run's files, before the directory goes
+            os.makedirs(keep, exist_ok=True)
+            for kept in ("report.json", "report.step.svg", "out", "err"):
+                if os.path.exists(os.path.join(tmp, kept)):
+                    shutil.copy(os.path.join(tmp, kept), os.path.join(keep, f"{name}.{kept}"))
     row: dict = {
-        "case": name, "preset": preset, "topology": topology, "devices": devices, "tp": tp,
+        "case": name, "preset": preset, "topology": topology, "slices": slices,
+        "devices": devices, "tp": tp,
         "seqs_per_dp_rank": seqs, "steps": steps, "exit": code, "wall_seconds": round(wall, 1),
         "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
         "peak_rss_mib": usage.ru_maxrss // 1024,
@@ -84,19 +109,42 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
     if report is None:
         row["error"] = (err or out)[-3000:]
         return row
+    describe(row, report, out)
+    row["svg_bytes"] = len(picture) if picture else 0
+    return row
+
+
+def describe(row: dict, report: dict, out: str) -> None:
+    """Add to ``row`` (a case's name, preset, topology, devices, tp, sequences) what the
+    report and the script's output say (docstring)."""
+    name, preset, devices, tp = row["case"], row["preset"], row["devices"], row["tp"]
+    seqs, published = row["seqs_per_dp_rank"], CASES[name][4]
     rows = report["collectives"]
     row.update(
         script_seconds=report["script_seconds"], compile_seconds=report["compile_seconds"],
         programs=len(rows), failed=[(c["op"], c["group_size"], c["error"][:120])
                                     for c in rows if not c["compiled"]],
         table_tail=out.strip().splitlines()[-16:],
+        script_lines=[line for line in out.splitlines()
+                      if line.startswith(("FSDP2 x TP", "step ", "final loss"))
+                      and not line.startswith("step (")][:8],
     )
+    # The script's time split: each step's wall time (the example prints tokens/s of the global
+    # batch), the rest of the script (start, model, tensor parallelism, fully_shard) before.
+    step_seconds = []
+    for line in row["script_lines"]:
+        parts = line.split("|")
+        if len(parts) == 3 and parts[0].split()[1:2] and parts[0].split()[1].isdigit():
+            rate = float(parts[2].split()[0])
+            step_seconds.append(round(devices // tp * seqs * SEQ / rate, 1) if rate else None)
+    row["script_step_seconds"] = step_seconds
     step = report.get("step")
     row["step"] = {k: v for k, v in (step or {}).items() if k != "rules"}
     if step and preset in SHAPES:
         dp = devices // tp
         tokens_per_device = seqs * SEQ / tp  # one dp rank's tokens over its tp ranks
         analytic = flops_per_token(SHAPES[preset], SEQ) * tokens_per_device
+        maxtext = flops_per_token(SHAPES[preset], SEQ, "maxtext") * tokens_per_device
         # The count includes the recomputation of activation checkpointing: each block's
         # forward runs again in the backward, up to the last op whose saved output the backward
         # needs (torch's non-reentrant checkpoint stops early: the MLP's down projection w2,
@@ -123,9 +171,12 @@ def run(name: str, limit_gib: float, steps: int = 2) -> dict:
                 "bound_over_measured": step["step_seconds"] / measured,
                 "model_flop_mfu_bound": analytic / (step["step_seconds"] * peak),
                 "model_flop_mfu_at_measured": analytic / (measured * peak),
+                # MaxText's own count (causal attention halved), the one its MFU is of.
+                "maxtext_flop_mfu_bound": maxtext / (step["step_seconds"] * peak),
+                "maxtext_flop_mfu_at_measured": maxtext / (measured * peak),
+                "maxtext_mfu_bound_over_measured_mfu":
+                    maxtext / (step["step_seconds"] * peak) / mfu,
             }
-    row["svg_bytes"] = len(picture) if picture else 0
-    return row
 
 
 def main() -> None:
@@ -138,9 +189,11 @@ def main() -> None:
                              "a steady state. 1 halves the time; its step creates the optimizer "
                              "state)")
     parser.add_argument("--out", default=None, help="append one JSON line per case here")
+    parser.add_argument("--keep", default=None,
+                        help="copy each run's report, picture and output into this directory")
     args = parser.parse_args()
     for name in args.cases:
-        row = run(name, args.limit_gib, args.steps)
+        row = run(name, args.limit_gib, args.steps, args.keep)
         print(json.dumps(row, indent=1), flush=True)
         if args.out:
             with open(args.out, "a") as f:

@@ -239,7 +239,7 @@ def test_presets_have_the_published_parameter_counts(preset: str, shape_name: st
     args = ex.parse_args(["--model", "qwen3-32b"], extra=ex._options)
     with torch.device("meta"):
         model = ex.Decoder(ex.build_config(args))
-    assert sum(p.numel() for p in model.parameters()) == 32_762_106_880
+    assert sum(p.numel() for p in model.parameters()) == 32_762_106_880 == _estimate.QWEN3_32B.params
 
 
 def test_layouts_the_model_cannot_take_are_refused_with_what_to_pass() -> None:
@@ -270,3 +270,133 @@ def test_fake_memory_estimate_matches_a_real_four_rank_run() -> None:
     assert fake["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.10)
     # The default global batch, 8 sequences, over dp 2: 4 x 128 tokens per dp rank, over tp 2.
     assert fake["flops"] == real["flops"] and fake["tokens"] == real["tokens"] == 4 * 128 / 2
+
+
+def _fsdp_layouts(world: int, rank: int, lazy: bool) -> tuple[list[tuple], int]:
+    """``fully_shard`` of parameters of awkward shapes over a 1-D mesh of ``world`` ranks (torch's
+    fake process group, this process as ``rank``) inside :class:`LargeTensorsFake`: every
+    FSDPParam's sharding metadata and its shard's view (shape, stride, offset), and how many
+    aten ops ``fully_shard`` dispatched."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        with LargeTensorsFake(lazy_fsdp_chunks=lazy):
+            # rows: fewer than the ranks (empty chunks), uneven, a multiple; 1-D; large (fake)
+            modules = [nn.Linear(5, 14, bias=True), nn.Linear(3, world * 7 + 3),
+                       nn.Linear(8, world * 4, bias=False), nn.LayerNorm(world // 2),
+                       nn.Linear(1024, world * 96, bias=False)]
+            with _Count():
+                for m in modules:
+                    fully_shard(m, mesh=mesh)
+        rows = []
+        for m in modules:
+            for p in m._get_fsdp_state()._fsdp_param_group.fsdp_params:
+                local = p.sharded_param.to_local()
+                rows.append((p.sharded_size, p.padded_sharded_param_size,
+                             p.sharded_post_forward_size, p.contiguous_sharded_stride,
+                             tuple(p._sharded_param_data.shape), tuple(local.shape),
+                             local.stride(), local.storage_offset(), type(local).__name__))
+        return rows, _Count.ops
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("rank", [0, 1000, 2047])
+def test_lazy_fsdp_chunks_shard_as_fsdp_does(rank: int) -> None:
+    """FSDP2 cuts each parameter into one chunk per data-parallel rank and keeps its own. In
+    compile-only fake mode the chunks are made only when read (``_fake._LazyChunks``): over
+    2,048 ranks ``fully_shard`` of five modules must give every parameter the same shard
+    (sizes, padding, the view's shape, stride and offset) as FSDP's own chunking, on the
+    first and last rank and a middle one (past the rows of the small parameters: empty
+    chunks), with a number of ops that does not grow with the ranks (FSDP's own: a view per
+    rank, twice per parameter: over 2 x 2,048 for each of the four parameters of at least
+    2,048 rows)."""
+    lazy, lazy_ops = _fsdp_layouts(2048, rank, lazy=True)
+    eager, eager_ops = _fsdp_layouts(2048, rank, lazy=False)
+    assert lazy == eager
+    assert eager_ops > 2 * 4 * 2048
+    assert lazy_ops < 400
+
+
+def test_lazy_chunks_are_torch_chunks() -> None:
+    """``_LazyChunks`` against FSDP's ``_chunk_with_empty`` (``torch.chunk`` padded with empty
+    tensors) on real data, for row counts below, at and above the number of chunks, along dim
+    0 and 1: the same number of chunks, each with the same values, shape, stride and offset."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _chunk_with_empty
+
+    from tpu_dist.compile_job._fake import _LazyChunks
+
+    for rows, cols, n, dim in [(3, 4, 4, 0), (7, 2, 16, 0), (10, 3, 4, 0), (64, 5, 8, 0),
+                               (65, 2, 8, 0), (5, 10, 3, 1), (1, 1, 5, 0), (14336, 1, 2048, 0)]:
+        t = torch.arange(rows * cols, dtype=torch.float32).view(rows, cols)
+        want, got = _chunk_with_empty(t, n, dim), _LazyChunks(t, n, dim)
+        assert len(got) == len(want) == n
+        for i in [*range(min(n, 12)), n - 1, -1]:
+            w, g = want[i], got[i]
+            assert (g.shape, g.stride(), g.storage_offset()) == (
+                w.shape, w.stride(), w.storage_offset()), (rows, cols, n, dim, i)
+            assert torch.equal(g, w)
+
+
+def test_a_script_the_meter_breaks_runs_on_and_the_step_is_reported_missing() -> None:
+    """``nn.Embedding(sparse=True)`` gives a sparse gradient, which torch's MemTracker cannot
+    track (``Cannot access storage of SparseTensorImpl``). Under the meter the script must run
+    to its end with the same results as without it (SGD on the sparse gradient: the same
+    weights after two steps), and the meter must say why it measured nothing."""
+    def run(meter: StepMeter | None) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Embedding(100, 8, sparse=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        ids = torch.randint(0, 100, (4, 5))
+        with meter if meter is not None else torch.no_grad():
+            for _ in range(2):
+                with torch.enable_grad():
+                    model(ids).pow(2).sum().backward()
+                opt.step()
+                opt.zero_grad()
+        return model.weight.detach().clone()
+
+    meter = StepMeter()
+    assert torch.equal(run(meter), run(None))
+    assert meter.error is not None and "SparseTensorImpl" in meter.error
+    assert meter.chosen() is None
+
+
+def test_a_program_the_compiler_does_not_finish_is_stopped_and_reported() -> None:
+    """The compiler child gets ``Compiler.timeout`` seconds a program. An all_reduce over the 4
+    devices of ``v5p:2x2x1`` compiles (warm child, generous limit); the same program under a
+    limit of 0 s is stopped and reported as failed with the limit in its message; the next
+    program compiles again, in a new child."""
+    pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
+    from tpu_dist.collectives._types import ProgramKey
+    from tpu_dist.compile_job._compile import Compiler
+
+    compiler = Compiler(Topology.parse("v5p:2x2x1"), timeout=300)
+    try:
+        keys = [ProgramKey("allreduce", (0, 1, 2, 3), ((n, "float32"),), ("SUM",))
+                for n in (8, 16, 32)]
+        ok, ops, _, _, error = compiler.compile(keys[0])
+        assert ok and "all-reduce" in ops and error is None
+        compiler.timeout = 0.0
+        ok, _, _, _, error = compiler.compile(keys[1])
+        assert not ok and "did not finish this program within 0 s" in error
+        compiler.timeout = 300
+        ok, ops, _, _, error = compiler.compile(keys[2])
+        assert ok and "all-reduce" in ops, error
+    finally:
+        compiler.close()

@@ -126,6 +126,9 @@ class CompileReport:
     compile_seconds: float
     step: Any = None
     """The measured step (:class:`~._step.StepReport`), if the script completed one."""
+    step_error: str | None = None
+    """Why no step was measured although the script ran (the step meter failed on something
+    the script did: where, and the error; :attr:`~._step.StepMeter.error`), else None."""
 
     @property
     def ok(self) -> bool:
@@ -141,6 +144,7 @@ class CompileReport:
             "script_seconds": round(self.script_seconds, 3),
             "compile_seconds": round(self.compile_seconds, 3),
             "step": None if self.step is None else self.step.to_json(),
+            "step_error": self.step_error,
             "collectives": [c.to_json() for c in self.collectives],
         }
 
@@ -179,6 +183,9 @@ class CompileReport:
                              f"{c.first_call}:\n  {c.error}")
         if self.step is not None:
             lines += ["", *self.step.format_lines()]
+        if self.step_error is not None:
+            lines += ["", "step: not measured (the collectives above are complete): the step "
+                      f"meter stopped at {self.step_error}"]
         lines.append("")
         lines.append("group: the group's size; 'N xG': one program for the G groups of N of its "
                      "mesh dimension (a family program). est/call: message size over the "
@@ -264,8 +271,12 @@ class Compiler:
     (and once more after each crash): :meth:`start` it early (the compile-only process does,
     before the script runs) and that start overlaps the script's run."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, *, timeout: float = 300.0) -> None:
         self._spec, self._slices = topology.spec, topology.num_slices
+        self.timeout = timeout
+        """Seconds one program may take to compile; past it the child is killed and the
+        program reported as failed (measured: libtpu 0.0.52 still compiling an all-gather of
+        the Qwen3-32B preset over 4 TPU7x devices after 305 s, where the others take 0.1-2 s)."""
         self._proc: Any = None
         self._conn: Any = None
 
@@ -288,10 +299,15 @@ class Compiler:
         self.start()
         t0 = time.monotonic()
         self._conn.send(key)
-        while not self._conn.poll(0.2):
+        timed_out = False
+        while not self._conn.poll(max(0.0, min(0.2, self.timeout - (time.monotonic() - t0)))):
             if not self._proc.is_alive():
                 break
-        if self._conn.poll():
+            if time.monotonic() - t0 >= self.timeout:
+                timed_out = True
+                self._proc.kill()
+                break
+        if not timed_out and self._conn.poll():
             try:
                 return self._conn.recv()
             except EOFError:
@@ -299,6 +315,10 @@ class Compiler:
         self._proc.join(5)
         code = self._proc.exitcode
         self._proc = self._conn = None
+        if timed_out:
+            return (False, (), time.monotonic() - t0, None,
+                    f"libtpu's TPU compiler did not finish this program within {self.timeout:g} "
+                    "s (Compiler.timeout); it was stopped and the other programs compiled on")
         how = (
             f"{signal.Signals(-code).name}" if code is not None and code < 0
             else f"exit code {code}"

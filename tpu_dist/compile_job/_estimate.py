@@ -205,40 +205,49 @@ def _hops(op: str, topology: Topology, ranks: np.ndarray) -> tuple[int, int]:
 class DecoderShape:
     """A Llama-style decoder: grouped-query attention, SwiGLU MLP, RMSNorm, untied output.
 
-    Parameters per layer: ``q`` and ``o`` projections ``dim x dim``, ``k`` and ``v``
-    ``dim x (n_kv_heads * head_dim)``, the MLP ``3 x dim x ffn_dim``, two norms of ``dim``;
-    plus the token embedding and the output projection (``vocab x dim`` each) and a final norm.
+    Parameters per layer: ``q`` and ``o`` projections ``dim x (n_heads * head_dim)``, ``k`` and
+    ``v`` ``dim x (n_kv_heads * head_dim)``, the MLP ``3 x dim x ffn_dim``, two norms of
+    ``dim``; plus the token embedding and the output projection (``vocab x dim`` each) and a
+    final norm.
     """
 
     name: str
     dim: int
-    """Model width (``n_heads * head_dim``)."""
+    """Model width (``n_heads * head_dim`` unless ``attention_head_dim`` is set)."""
     n_layers: int
     n_heads: int
     n_kv_heads: int
     ffn_dim: int
     """The MLP's hidden width."""
     vocab_size: int
+    attention_head_dim: int | None = None
+    """Each head's width when heads are not ``dim / n_heads`` wide (Qwen3: 64 heads of 128 on
+    width 5120); None: ``dim / n_heads``."""
 
     def __post_init__(self) -> None:
         for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
             if getattr(self, field) <= 0:
                 raise ValueError(f"{field} must be positive, got {getattr(self, field)!r}")
-        if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
+        if self.attention_head_dim is not None and self.attention_head_dim <= 0:
+            raise ValueError(f"attention_head_dim must be positive, got {self.attention_head_dim!r}")
+        if (self.attention_head_dim is None and self.dim % self.n_heads) or (
+                self.n_heads % self.n_kv_heads):
             raise ValueError(
-                f"dim must split into n_heads heads and n_heads into n_kv_heads groups, got "
-                f"{self.dim=} {self.n_heads=} {self.n_kv_heads=}"
+                f"dim must split into n_heads heads (or pass attention_head_dim) and n_heads "
+                f"into n_kv_heads groups, got {self.dim=} {self.n_heads=} {self.n_kv_heads=}"
             )
 
     @property
     def head_dim(self) -> int:
+        if self.attention_head_dim is not None:
+            return self.attention_head_dim
         return self.dim // self.n_heads
 
     @property
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
-        kv = self.n_kv_heads * self.head_dim
-        return 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + (
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return 2 * self.dim * q + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim + (
             2 * self.dim
         )
 
@@ -270,6 +279,10 @@ LLAMA3_1_70B = DecoderShape(
 LLAMA3_1_405B = DecoderShape(
     name="Llama 3.1 405B", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
     vocab_size=128256,
+)
+QWEN3_32B = DecoderShape(
+    name="Qwen3 32B (without its QK-norm weights)", dim=5120, n_layers=64, n_heads=64,
+    n_kv_heads=8, ffn_dim=25600, vocab_size=151936, attention_head_dim=128,
 )
 
 

@@ -132,6 +132,8 @@ class Session:
         compiler, self._compiler = self._compiler, None
         calls = self.recorded()
         report = compile_calls(calls, topology, rank, script_seconds, progress, compiler)
+        if self.meter is not None and self.meter.error is not None:
+            return dataclasses.replace(report, step_error=self.meter.error)
         record = self.meter.chosen() if self.meter is not None else None
         if record is None:
             return report

@@ -31,6 +31,13 @@ keeps:
 
 :func:`step_report` turns the chosen step (the last one completed: from the second step on,
 that is a steady state) and the compiled collectives into the report's ``"step"`` object.
+
+The meter never fails the script. When one of its parts raises on something the script does
+(measured: MemTracker on an ``nn.Embedding(sparse=True)``'s sparse gradient, ``Cannot access
+storage of SparseTensorImpl``), the meter stops measuring from there on (its modes pass every
+op through), keeps the first error (:attr:`StepMeter.error`), and the report says the step was
+not measured and why. An op during which a mode failed is run again without the meter; an
+op's own error (the script's) propagates as it would without the meter.
 """
 
 from __future__ import annotations
@@ -79,6 +86,41 @@ _CPU_ATTENTION = {
 """torch's attention formulas for the CPU kernel they are not registered for (torch 2.13)."""
 
 
+class _Guard:
+    """The meter's state shared by its modes and hooks: the first error of any of them, after
+    which they all pass through (module docstring)."""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+
+    def fail(self, where: str, err: BaseException) -> None:
+        if self.error is None:
+            self.error = f"{where}: {type(err).__name__}: {err}"
+
+    def dispatch(self, measured: Any, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        """``measured()`` (a mode's own dispatch of ``func``); if it raises, the op once more
+        without the mode: the op's own error then propagates, else the meter failed."""
+        if self.error is not None:
+            return func(*args, **(kwargs or {}))
+        try:
+            return measured()
+        except Exception as err:
+            error = err
+        out = func(*args, **(kwargs or {}))  # raises the op's own error (the script's)
+        self.fail(f"measuring {func}", error)
+        return out
+
+    def hook(self, where: str, run: Any) -> Any:
+        """``run()`` (a hook's body); an error stops the meter instead of the script."""
+        if self.error is not None:
+            return None
+        try:
+            return run()
+        except Exception as err:
+            self.fail(where, err)
+            return None
+
+
 def _is_dtensor_type(t: type) -> bool:
     from torch.distributed.tensor import DTensor
 
@@ -91,6 +133,7 @@ class _LocalOpsMode(_FlopCounterMode):
 
     def __init__(self, counter: _LocalFlops) -> None:
         super().__init__(counter)
+        self.guard = counter.guard
         # As MemTracker does: DTensor's sharding propagation runs the global op under a fake
         # mode of its own to learn the output's shape; that run is not the device's work.
         self._fake_mode_on_entry = active_fake_mode()
@@ -101,6 +144,10 @@ class _LocalOpsMode(_FlopCounterMode):
             return NotImplemented
         if active_fake_mode() is not self._fake_mode_on_entry:
             return func(*args, **(kwargs or {}))
+        return self.guard.dispatch(lambda: self._count(func, types, args, kwargs), func, args,
+                                   kwargs)
+
+    def _count(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func is _aten.embedding.default:
             self.counter.token_ids += args[1].numel()
@@ -111,8 +158,9 @@ class _LocalFlops(FlopCounterMode):
     """:class:`FlopCounterMode` over local ops only, everything under ``"Global"`` (no module
     hierarchy: its module hooks cost time at every forward and are not needed here)."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: _Guard) -> None:
         super().__init__(display=False, custom_mapping=_CPU_ATTENTION)
+        self.guard = guard
         self.token_ids = 0.0
         """Token ids looked up, each counted over the ranks that share it (module doc)."""
 
@@ -139,23 +187,27 @@ class _DTensorTokens(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         if func is _aten.embedding.default and any(_is_dtensor_type(t) for t in types):
-            ids = args[1]
-            shared = 1
-            if _is_dtensor_type(type(ids)):
-                for size, placement in zip(ids.device_mesh.shape, ids.placements):
-                    if placement.is_replicate():
-                        shared *= size
-            before = self.counter.token_ids
-            out = func(*args, **(kwargs or {}))
-            added = self.counter.token_ids - before
-            self.counter.token_ids = before + added / shared
-            return out
+            return self.counter.guard.dispatch(lambda: self._lookup(func, args, kwargs), func,
+                                               args, kwargs)
         return func(*args, **(kwargs or {}))
 
+    def _lookup(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        ids = args[1]
+        shared = 1
+        if _is_dtensor_type(type(ids)):
+            for size, placement in zip(ids.device_mesh.shape, ids.placements):
+                if placement.is_replicate():
+                    shared *= size
+        before = self.counter.token_ids
+        out = func(*args, **(kwargs or {}))
+        added = self.counter.token_ids - before
+        self.counter.token_ids = before + added / shared
+        return out
 
-def _peak_tracker() -> Any:
-    """A :class:`MemTracker` whose peak can be restarted at a step's start (None if torch's
-    tracker is missing)."""
+
+def _peak_tracker(guard: _Guard) -> Any:
+    """A :class:`MemTracker` whose peak can be restarted at a step's start, its dispatch and
+    hooks under ``guard`` (None if torch's tracker is missing)."""
     try:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
     except ImportError:  # pragma: no cover - torch without the tracker
@@ -188,11 +240,42 @@ def _peak_tracker() -> Any:
                     self._peak_mem_snap[dev] = deepcopy(dev_snap)
 
         def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            try:
-                super()._pre_fw_hook(module, inputs)
-            except NotImplementedError:  # a root module again in the same step (grad accum)
-                self.reset_mod_stats()
-                super()._pre_fw_hook(module, inputs)
+            def run() -> None:
+                try:
+                    super(_PeakTracker, self)._pre_fw_hook(module, inputs)
+                except NotImplementedError:  # a root module again in the same step
+                    self.reset_mod_stats()  # (gradient accumulation)
+                    super(_PeakTracker, self)._pre_fw_hook(module, inputs)
+
+            guard.hook("MemTracker's pre-forward hook", run)
+
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            guard.hook("MemTracker's post-forward hook",
+                       lambda: super(_PeakTracker, self)._post_fw_hook(module, inputs, outputs))
+
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            guard.hook("MemTracker's pre-backward hook",
+                       lambda: super(_PeakTracker, self)._pre_bw_hook(module, args))
+
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            guard.hook("MemTracker's post-backward hook",
+                       lambda: super(_PeakTracker, self)._post_bw_hook(module, args))
+
+        def _track_optimizer_states(self, *args: Any) -> None:
+            guard.hook("MemTracker's optimizer-state tracking",
+                       lambda: super(_PeakTracker, self)._track_optimizer_states(*args))
+
+        def _update_and_maybe_create_winfos(self, *args: Any, **kwargs: Any) -> set:
+            # Also what its gradient hooks call, from autograd.
+            found = guard.hook("MemTracker's tensor tracking", lambda: super(
+                _PeakTracker, self)._update_and_maybe_create_winfos(*args, **kwargs))
+            return set() if found is None else found
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                               kwargs: dict | None = None) -> Any:
+            return guard.dispatch(
+                lambda: super(_PeakTracker, self).__torch_dispatch__(func, types, args, kwargs),
+                func, args, kwargs)
 
     return _PeakTracker()
 
@@ -228,9 +311,10 @@ class StepMeter:
         self.recorder = recorder
         self.steps: list[StepRecord] = []
         """Every completed step, in order."""
-        self._flops = _LocalFlops()
+        self._guard = _Guard()
+        self._flops = _LocalFlops(self._guard)
         self._tokens = _DTensorTokens(self._flops)
-        self._memory = _peak_tracker() if track_memory else None
+        self._memory = _peak_tracker(self._guard) if track_memory else None
         self._hooks: list[Any] = []
         self._flops_at_start = 0
         self._tokens_at_start = 0.0
@@ -261,13 +345,24 @@ class StepMeter:
             self._memory.__exit__(*exc)
         self._flops.__exit__(*exc)
 
+    @property
+    def error(self) -> str | None:
+        """Why the meter stopped measuring (where, the error), or None (module docstring)."""
+        return self._guard.error
+
     def _forward(self, module: Any, inputs: Any) -> None:
+        self._guard.hook("the step meter's forward hook", lambda: self._forward_body())
+
+    def _forward_body(self) -> None:
         if self._fresh:
             self._fresh = False
             if self._memory is not None:
                 self._memory.restart_peak()
 
     def _step_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._guard.hook("the step meter's optimizer hook", lambda: self._step_done_body())
+
+    def _step_done_body(self) -> None:
         flops = self._flops.get_total_flops()
         tokens = self._flops.token_ids
         peak, kinds = self._memory.peak() if self._memory is not None else (None, {})
@@ -285,7 +380,10 @@ class StepMeter:
             self.recorder.step = len(self.steps)
 
     def chosen(self) -> StepRecord | None:
-        """The step the report describes: the last one completed (None: no optimizer step)."""
+        """The step the report describes: the last one completed (None: no optimizer step, or
+        the meter failed: :attr:`error`)."""
+        if self.error is not None:
+            return None
         return self.steps[-1] if self.steps else None
 
 
@@ -390,7 +488,8 @@ class StepReport:
         if self.unestimated:
             lines.append(
                 f"({self.unestimated} kind(s) of collective in the step have no time: their "
-                "groups stay within one chip, whose die-to-die link the model does not price)")
+                "groups stay within one chip: one device, nothing moves, or a TPU7x chip's two "
+                "cores, whose die-to-die link the model does not price)")
         if self.costliest:
             lines.append("costliest collectives per step:")
             for c in self.costliest:
