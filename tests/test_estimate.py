@@ -178,9 +178,10 @@ def test_step_estimate_overlap_rules() -> None:
 
 
 def test_step_estimate_json_fields() -> None:
-    """The report's ``"step"`` object has exactly the issue's fields, JSON-serialisable."""
+    """The report's ``"step"`` object has exactly the issue's fields and the model FLOPs its
+    MFU bound is computed from, JSON-serialisable."""
     est = step_estimate(flops_per_device=1e15, peak_flops_per_s=1e15, tokens_per_device=1)
-    fields = ["flops_per_device", "compute_seconds", "comm_seconds", "exposed_comm_seconds",
+    fields = ["flops_per_device", "model_flops_per_device", "compute_seconds", "comm_seconds", "exposed_comm_seconds",
               "step_seconds", "mfu_bound", "tokens_per_second_per_device", "hbm_peak_bytes",
               "hbm_capacity_bytes"]
     assert list(est.to_json()) == fields

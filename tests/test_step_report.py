@@ -156,6 +156,66 @@ def test_step_arithmetic_by_hand() -> None:
     assert svg.tag.endswith("svg")
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(64, 256, bias=False)
+        self.down = nn.Linear(256, 64, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class _TinyLM(nn.Module):
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 64)
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        self.out = nn.Linear(64, 32, bias=False)
+        self.checkpointed = checkpointed
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        for block in self.blocks:
+            if self.checkpointed:
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
+        return self.out(h)
+
+
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_mfu_counts_model_flops_not_the_recomputed_forward(checkpointed: bool) -> None:
+    """MFU's numerator is the model's FLOPs (TorchTitan's 6N a token for a model of matmuls),
+    not the FLOPs run: activation checkpointing runs part of each block's forward again in the
+    backward; the counted FLOPs include that, the model FLOPs (3x the forward's) do not.
+
+    Worked example, 16 tokens: N = the linears' weights = 2 blocks x (64 x 256 + 256 x 64) +
+    64 x 32 = 67,584 (the embedding lookup computes nothing); 6 N x 16 = 6,488,064. Checkpointed,
+    torch's non-reentrant recomputation stops once the tensors the backward needs are back: the
+    ``up`` matmul of each block (its output feeds the ReLU, whose input is saved), not ``down``
+    (whose output nobody saved): 2 blocks x 2 x 64 x 256 x 16 = 1,048,576 more FLOPs run, 7,536,640
+    in all. With no collectives the bound is compute alone, so the MFU bound is model / run:
+    1.0 without checkpointing, 6,488,064 / 7,536,640 = 0.861 with it."""
+    torch.manual_seed(0)
+    model = _TinyLM(checkpointed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ids = torch.randint(0, 32, (1, 16))
+    with StepMeter(track_memory=False) as meter:
+        for _ in range(2):
+            model(ids).logsumexp(-1).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    assert meter.error is None
+    record = meter.steps[-1]
+    model_flops = 6 * 67_584 * 16
+    assert record.model_flops == model_flops
+    assert record.flops == model_flops + (1_048_576 if checkpointed else 0)
+    report = step_report(record, 2, [], [], Topology.parse("tpu7x:2x2x1"))
+    assert report.estimate.model_flops_per_device == model_flops
+    assert report.estimate.mfu_bound == pytest.approx(model_flops / record.flops)
+
+
 @pytest.fixture(scope="module")
 def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict, str]:
     pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")

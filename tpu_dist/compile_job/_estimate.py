@@ -339,7 +339,12 @@ class StepEstimate:
     """One training step's lower bound, per device: the report's ``"step"`` object."""
 
     flops_per_device: float
-    """Model FLOPs one device computes per step."""
+    """FLOPs one device computes per step (counted: recomputation under activation
+    checkpointing included)."""
+    model_flops_per_device: float
+    """The step's *model* FLOPs per device, MFU's numerator: TorchTitan's 6N + 12 L H d_h s a
+    token (no recomputation, no causal discount). Measured as 3x the forward pass's FLOPs; equal
+    to ``flops_per_device`` when not told otherwise."""
     compute_seconds: float
     """``flops_per_device`` at the device's peak bf16 rate."""
     comm_seconds: float
@@ -350,7 +355,7 @@ class StepEstimate:
     step_seconds: float
     """The lower bound: ``compute_seconds + exposed_comm_seconds``."""
     mfu_bound: float
-    """``flops_per_device / (step_seconds * peak)``: the best MFU the step can reach."""
+    """``model_flops_per_device / (step_seconds * peak)``: the best MFU the step can reach."""
     tokens_per_second_per_device: float
     """The step's tokens per device over ``step_seconds``: an upper bound."""
     hbm_peak_bytes: int | None
@@ -371,15 +376,22 @@ def step_estimate(
     critical_comm_seconds: float = 0.0,
     hbm_capacity_bytes: int | None = None,
     hbm_peak_bytes: int | None = None,
+    model_flops_per_device: float | None = None,
 ) -> StepEstimate:
     """The step's lower bound from its compute and communication (module docstring).
+
+    ``model_flops_per_device`` is MFU's numerator when it differs from the FLOPs computed (a
+    measured step that recomputes activations); default: ``flops_per_device``.
 
     Raises:
         ValueError: a non-positive peak, or negative FLOPs, tokens or seconds.
     """
+    if model_flops_per_device is None:
+        model_flops_per_device = flops_per_device
     if not peak_flops_per_s > 0:
         raise ValueError(f"peak_flops_per_s must be positive, got {peak_flops_per_s!r}")
     for name, value in (("flops_per_device", flops_per_device),
+                        ("model_flops_per_device", model_flops_per_device),
                         ("tokens_per_device", tokens_per_device),
                         ("overlappable_comm_seconds", overlappable_comm_seconds),
                         ("critical_comm_seconds", critical_comm_seconds)):
@@ -390,11 +402,12 @@ def step_estimate(
     step = compute + exposed
     return StepEstimate(
         flops_per_device=flops_per_device,
+        model_flops_per_device=model_flops_per_device,
         compute_seconds=compute,
         comm_seconds=overlappable_comm_seconds + critical_comm_seconds,
         exposed_comm_seconds=exposed,
         step_seconds=step,
-        mfu_bound=flops_per_device / (step * peak_flops_per_s) if step > 0 else 0.0,
+        mfu_bound=model_flops_per_device / (step * peak_flops_per_s) if step > 0 else 0.0,
         tokens_per_second_per_device=tokens_per_device / step if step > 0 else 0.0,
         hbm_peak_bytes=hbm_peak_bytes,
         hbm_capacity_bytes=hbm_capacity_bytes,

@@ -163,6 +163,14 @@ class _LocalFlops(FlopCounterMode):
         self.guard = guard
         self.token_ids = 0.0
         """Token ids looked up, each counted over the ranks that share it (module doc)."""
+        self.forward_flops = 0
+        """The FLOPs of ops run outside autograd's backward (the forward pass; a recomputed
+        forward under activation checkpointing runs inside the backward and is not here)."""
+
+    def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: dict) -> Any:
+        if func_packet in self.flop_registry and torch._C._current_autograd_node() is None:
+            self.forward_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+        return super()._count_flops(func_packet, out, args, kwargs)
 
     def __enter__(self) -> _LocalFlops:
         self.flop_counts.clear()
@@ -295,6 +303,10 @@ class StepRecord:
     peak_breakdown: dict[str, int]
     """What the peak held: ``Parameter``, ``Gradient``, ``Optstate``, ``Activation``, ``Temp``,
     ... (MemTracker's kinds) -> bytes."""
+    model_flops: int | None = None
+    """The step's model FLOPs (MFU's numerator): 3x its forward pass's FLOPs, which is
+    TorchTitan's 6N + 12 L H d_h s a token (each matmul's backward is twice its forward; no
+    recomputation, no causal discount); None: take :attr:`flops`."""
 
 
 class StepMeter:
@@ -317,6 +329,7 @@ class StepMeter:
         self._memory = _peak_tracker(self._guard) if track_memory else None
         self._hooks: list[Any] = []
         self._flops_at_start = 0
+        self._forward_flops_at_start = 0
         self._tokens_at_start = 0.0
         self._fresh = True  # no module forward yet in this step
 
@@ -364,13 +377,16 @@ class StepMeter:
 
     def _step_done_body(self) -> None:
         flops = self._flops.get_total_flops()
+        forward = self._flops.forward_flops
         tokens = self._flops.token_ids
         peak, kinds = self._memory.peak() if self._memory is not None else (None, {})
         self.steps.append(StepRecord(
             index=len(self.steps), flops=flops - self._flops_at_start,
             tokens=tokens - self._tokens_at_start, peak_bytes=peak, peak_breakdown=kinds,
+            model_flops=3 * (forward - self._forward_flops_at_start),
         ))
         self._flops_at_start, self._tokens_at_start = flops, tokens
+        self._forward_flops_at_start = forward
         self._fresh = True
         if self._memory is not None:
             # The next forward of the root module is a new step, not the error MemTracker
@@ -412,7 +428,7 @@ class StepCost:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StepReport:
-    """The report's ``"step"`` object: the estimate (:class:`StepEstimate`'s nine fields first)
+    """The report's ``"step"`` object: the estimate (:class:`StepEstimate`'s fields first)
     and what it was made of."""
 
     estimate: StepEstimate
@@ -508,8 +524,9 @@ STEP_RULES = (
     "activation checkpointing included); compute_seconds: flops at the device's peak bf16 "
     "rate; collectives: each call's est_seconds, FSDP's and DDP's overlappable (hidden up to "
     "compute_seconds), DTensor's (tensor parallelism) and the script's own on the critical "
-    "path; step_seconds = compute + exposed, a lower bound; mfu_bound = flops / (step_seconds "
-    "* peak); hbm_peak_bytes = MemTracker's peak tensor bytes in the step + the largest "
+    "path; step_seconds = compute + exposed, a lower bound; mfu_bound = model_flops / "
+    "(step_seconds * peak), model_flops = 3 x the forward pass's flops (TorchTitan's 6N + "
+    "12 L H d_h s a token: no recomputation, no causal discount); hbm_peak_bytes = MemTracker's peak tensor bytes in the step + the largest "
     "program scratch (temp_bytes); XLA's fusion buffers for compute are not included"
 )
 
@@ -578,6 +595,7 @@ def step_report(
         critical_comm_seconds=critical,
         hbm_capacity_bytes=gen.hbm_bytes_per_device,
         hbm_peak_bytes=hbm_peak,
+        model_flops_per_device=record.model_flops,
     )
     return StepReport(
         estimate=estimate,
