@@ -219,7 +219,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
                     raise RuntimeError(f"rank {rank}: {variant}: wrong all_reduce at {size}")
         report["sizes"][size] = {"times": times, "faults": faults, "cpu": cpu,
                                  "stages": stages, "zero_copy": zero_copy}
-        del block, xla
+        block = xla = None  # this size's buffers go before the next size's
         _runtime.release_results()
     with open(f"{out_path}.{rank}", "w") as out:
         json.dump(report, out)
