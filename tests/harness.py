@@ -786,8 +786,27 @@ def _worker_main(
         _start_worker(rank, config, conn)
     except BaseException as exc:
         _reply(conn, ("error", _format_exception(exc)))
+        if rank == 0 and config.init:
+            _linger(conn)
         sys.exit(1)
     _serve(rank, config, conn)
+
+
+def _linger(conn: multiprocessing.connection.Connection) -> None:
+    """Keep rank 0, and so the store it hosts, up until the test process ends the world.
+
+    In a real job the launcher's agent hosts the store, so a rank that fails to start leaves
+    it behind; here rank 0 hosts it, and if rank 0 exited at once a slower peer would fail on
+    the vanished store (a C++ connection error) instead of on whatever it was going to raise.
+    Measured: ``test_settings_init``'s rank 1 did so at load 10."""
+    while True:
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        with contextlib.suppress(Exception):
+            if pickle.loads(data)[0] == "stop":
+                return
 
 
 _PRELOAD = ["torch", "torch.distributed", "jax", "jax.numpy", "numpy"]

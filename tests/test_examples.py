@@ -18,9 +18,10 @@ The losses of 1, 4 and 5 are checked against the same model, data and seed train
 process (the data-parallel ranks' losses averaged): equal up to float rounding, as the
 reductions and sharded matmuls add in another order (the parity tests measure ~1e-7
 relative); the tolerance is rel 1e-4.
-6. ``torchrun examples/dtensor_jax.py`` (4 ranks): the JAX gradient matches torch's every step
+6. ``tpu-launch examples/dtensor_jax.py`` (4 ranks): the JAX gradient matches torch's every step
    (the example raises otherwise) and the loss falls; ``--backend gloo`` is refused with the
-   reason.
+   reason. (torchrun with "tpu" is 2.'s resume; under torchrun each of the 4 ranks imports
+   torch and JAX itself: 21 CPU-s against ~11 with tpu-launch's forked workers.)
 7. ``examples/collectives_tour.py`` on "tpu" (tpu-launch) and on gloo (torchrun), 4 ranks: every
    collective of the README's support table, checked on every rank, no deprecation warning, and
    none of libtpu's start-up lines where libtpu is installed.
@@ -170,7 +171,7 @@ def _single_process_losses(steps: int, dp: int) -> dict[int, float]:
 
 
 def test_dtensor_jax() -> None:
-    losses, last = _launch("torchrun", "dtensor_jax.py", "--steps", "4")
+    losses, last = _launch("tpu-launch", "dtensor_jax.py", "--steps", "4")
     final, steps = _final(last)
     assert sorted(losses) == [1, 2, 3, 4] and steps == 4 and final == losses[4]
     assert final < 0.5 * losses[1]

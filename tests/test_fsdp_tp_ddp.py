@@ -27,7 +27,9 @@ gloo may add the 4 terms in a different order, and the single process adds them 
 (and computes the full-batch matmuls as one). In fp32 that moves a gradient by a few ulps
 (~1e-7 relative); AdamW's first steps move each weight by about ``lr * sign(grad)``, so such
 differences stay at the ulp level of the weights unless a gradient is within rounding noise
-of zero. Measured (3 steps): the losses on "tpu" and gloo are identical, the weights differ by
+of zero. Measured (3 steps; the tests run 2: the second step already uses the optimizer state
+and the resharded weights of the first, and each step costs ~0.3 CPU-s a rank, ~25% of the
+module): the losses on "tpu" and gloo are identical, the weights differ by
 at most 7.5e-7 (TP); against one process, losses by 1.2e-7 relative and weights by 1.6e-6
 (TP, where the sharded matmuls split the contractions differently). Losses are compared with
 rtol 1e-6 and weights with atol 1e-5 (lr is 1e-3): a margin of 6-9x over what was seen, and
@@ -66,7 +68,7 @@ def _load(name: str):
 train_fsdp = _load("train_fsdp")
 
 CONFIG = train_fsdp.ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=64, max_seq_len=16)
-BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-3
+BATCH, SEQ, STEPS, LR = 8, 16, 2, 1e-3
 LOSS_RTOL, PARAM_ATOL = 1e-6, 1e-5
 
 
@@ -296,7 +298,11 @@ def test_fsdp2(tpu: World, gloo: World, variant: str, reference: dict) -> None:
     want = _reference(**reference)
     _assert_close(on_tpu, on_gloo, f"{variant}: tpu vs gloo")
     _assert_close(on_tpu, want, f"{variant}: tpu vs one process")
-    assert want["losses"][-1] < want["losses"][0]  # it trains
+    # It trains: AdamW's first step moves every weight by about lr (each step draws a new
+    # batch, so two steps' losses need not fall).
+    initial = dict(_model().named_parameters())
+    for name, value in want["params"].items():
+        assert (value - initial[name]).abs().max().item() > LR / 2, name
     if variant == "hsdp":
         assert on_tpu["placements"] == ["(Replicate(), Shard(dim=0))"]
     else:
