@@ -21,7 +21,8 @@ relative); the tolerance is rel 1e-4.
 6. ``tpu-launch examples/dtensor_jax.py`` (4 ranks): the JAX gradient matches torch's every step
    (the example raises otherwise) and the loss falls; ``--backend gloo`` is refused with the
    reason. (torchrun with "tpu" is 2.'s resume; under torchrun each of the 4 ranks imports
-   torch and JAX itself: 21 CPU-s against ~11 with tpu-launch's forked workers.)
+   torch and JAX itself, 21.5 CPU-s for the four in a suite run, where tpu-launch forks them
+   from one process that imported both.)
 7. ``examples/collectives_tour.py`` on "tpu" (tpu-launch) and on gloo (torchrun), 4 ranks: every
    collective of the README's support table, checked on every rank, no deprecation warning, and
    none of libtpu's start-up lines where libtpu is installed.
