@@ -65,6 +65,20 @@ collectives then support only part of them (see :func:`choose_algorithm`)."""
 
 _SUMS = frozenset({"SUM", "AVG", "PREMUL_SUM"})
 
+TPU_BLOCK_ALIGN = 128
+"""On TPU, an all-gather's and a reduce-scatter's per-rank block is padded to a multiple of
+this many elements (the program moves the padding; the plan's finish drops it).
+
+Measured with libtpu 0.0.52's compiler (benchmarks/README.md, E45): an all-gather over 128
+devices across two ``v5p:8x8x8`` slices of 1,950,000 bf16 elements a rank (Llama-3-70B's
+root-module parameters at dp 128) took more than 8 GiB of the compiler's memory and did not
+compile (35-96 s, then out of address space), while 1,950,080 (a multiple of 128) compiled
+in 0.6 s at 0.6 GiB; padding inside the program and slicing it off there did not help (XLA
+folds the slice into the collective). Within a slice an unaligned all-gather becomes an
+all-reduce of the whole output (8 of 64 ``v5p:4x4x4`` devices, 1,000,000 elements), an aligned
+one stays an all-gather. The padding costs under 128 elements a rank and one copy of the
+output on the host."""
+
 
 @dataclass(frozen=True)
 class GroupView:
@@ -116,6 +130,9 @@ class Plan:
     """This rank's input blocks, 1-D, in the order of ``key.blocks``."""
     finish: Finish
     then: Callable[[list[torch.Tensor]], Plan] | None = None
+    data_blocks: tuple[tuple[int, str], ...] | None = None
+    """(length, dtype) of the call's own blocks where the program's are padded (an all-gather
+    or reduce-scatter on TPU, :data:`TPU_BLOCK_ALIGN`); None where they are ``key.blocks``."""
 
 
 @dataclass(frozen=True)
@@ -392,11 +409,57 @@ def _program(
             it = iter(results)
             return whole([e if e is not None else next(it) for e in empties])
 
+    own = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
+    if group.platform == "tpu" and kind in (Kind.ALLGATHER, Kind.REDUCE_SCATTER):
+        blocks, finish = _aligned_for_tpu(kind, group.size, blocks, finish)
     meta = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
     key = program_key(
         kind, group.device_ids, meta, params, group.platform, group.family, group.device_kind
     )
-    return Plan(op, key, tuple(blocks), finish)
+    return Plan(op, key, tuple(blocks), finish, data_blocks=own if own != meta else None)
+
+
+def _aligned_for_tpu(
+    kind: Kind, size: int, blocks: Sequence[torch.Tensor], finish: Finish
+) -> tuple[Sequence[torch.Tensor], Finish]:
+    """``blocks`` with each rank's part padded with zeros to a multiple of
+    :data:`TPU_BLOCK_ALIGN` elements, and the finish step that drops the padding first.
+
+    An all-gather's block is this rank's part (its result: ``size`` parts); a reduce-scatter's
+    block is ``size`` parts (its result: one). The padded elements of a reduce-scatter reduce
+    among themselves, whatever the op, and are dropped."""
+    parts = []
+    for b in blocks:
+        n = b.numel() if kind == Kind.ALLGATHER else b.numel() // size
+        parts.append((n, -(-n // TPU_BLOCK_ALIGN) * TPU_BLOCK_ALIGN))
+    if all(n == m for n, m in parts):
+        return blocks, finish
+    padded = []
+    for b, (n, m) in zip(blocks, parts):
+        if n == m:
+            padded.append(b)
+        elif kind == Kind.ALLGATHER:
+            p = b.new_zeros(m)
+            p[:n] = b
+            padded.append(p)
+        else:
+            p = b.new_zeros(size, m)
+            p[:, :n] = b.view(size, n)
+            padded.append(p.view(-1))
+    whole = finish
+
+    def unpadded(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for r, (n, m) in zip(results, parts):
+            if n == m:
+                out.append(r)
+            elif kind == Kind.ALLGATHER:
+                out.append(r.view(size, m)[:, :n].reshape(-1))
+            else:
+                out.append(r[:n])
+        return whole(out)
+
+    return padded, unpadded
 
 
 def _completed(op: str, outputs: list[torch.Tensor]) -> Plan:

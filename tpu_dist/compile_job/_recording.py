@@ -221,10 +221,11 @@ class RecordingPipeline:
         key = plan.key
         checked_broadcast = key.kind == Kind.BROADCAST and key.params[-1] is True
         # The program compiled is the one the backend runs; a checked broadcast's 8-byte src
-        # header is not the job's data, so its size is counted without it.
+        # header and the padding of a TPU all-gather's or reduce-scatter's blocks are not the
+        # job's data, so its size is counted without them.
         self._recorder.add(
             plan.op, group.global_ranks, group.desc, key,
-            data_blocks=key.blocks[:-1] if checked_broadcast else None,
+            data_blocks=key.blocks[:-1] if checked_broadcast else plan.data_blocks,
         )
         results = [_fake_output(key.kind, group.size, group.rank, b) for b in plan.blocks]
         if checked_broadcast:  # every rank agrees on src here: the header summed over ranks
