@@ -5,7 +5,9 @@ reduce op and every dtype the backend sends (reductions on the values; data move
 int8/int16/int32 words, see ``_plan.words``), is compiled with the lowering TPUs run, and
 the compiled TPU HLO is read back: its collective ops must be the ones expected for the kind and
 their replica groups exactly the group's devices. Groups: a whole v5p 4x4x4 slice, one ICI axis
-of a ``plan_mesh`` layout of two such slices, and a ``plan_mesh`` DCN group spanning both.
+of a ``plan_mesh`` layout of two such slices, and a ``plan_mesh`` DCN group spanning both; and
+FSDP's all-gather and reduce-scatter over every device of a TPU7x slice (128 and 512 devices),
+which compile only with the generation's compiler options (``_lowering.compiler_options``).
 
 XLA rewrites op names (a reduce-scatter becomes all-reduce + dynamic-slice, an all-gather on a
 v5p cube may become an all-reduce), so each kind lists the ops it may become.
@@ -14,17 +16,19 @@ v5p cube may become an all-reduce), so each kind lists the ops it may become.
 from __future__ import annotations
 
 import pytest
+import torch
+import torch.distributed as dist
 
 pytest.importorskip("libtpu")
 
-from tpu_dist.collectives import ProgramKey  # noqa: E402
+from tpu_dist.collectives import ProgramKey, _lowering, _plan  # noqa: E402
 from tpu_dist.collectives.compile_only import (  # noqa: E402
     CompiledCollective,
     compile_collective,
     hlo_collectives,
     topology_devices,
 )
-from tpu_dist.mesh import Topology, plan_mesh  # noqa: E402
+from tpu_dist.mesh import Topology, get_generation, plan_mesh  # noqa: E402
 
 _FLOATS = ("float32", "float64", "bfloat16", "float16", "complex64")
 _INTS = ("int8", "int16", "int32", "int64", "uint8")  # uint8 also carries bool (as MAX/MIN)
@@ -207,3 +211,89 @@ def test_hlo_collectives_reads_both_group_spellings() -> None:
         ("all-gather", ((0, 2), (1, 3))),
         ("collective-permute", ((0, 1), (1, 0))),
     ]
+
+
+# -- whole TPU7x slices (issue 31) -------------------------------------------------------------
+
+_TPU7X: dict[str, list] = {}
+
+
+def _tpu7x(shape: str) -> list:
+    if shape not in _TPU7X:
+        _TPU7X[shape] = topology_devices(Topology.create("tpu7x", shape))
+    return _TPU7X[shape]
+
+
+def _whole_slice_plan(devices: list, op: str, dtype: torch.dtype, block: int) -> _plan.Plan:
+    """The "tpu" backend's plan of an FSDP collective over every device of the slice: an
+    ``all_gather_into_tensor`` of ``block`` elements a rank, or a ``reduce_scatter_tensor``
+    (SUM) whose output is ``block`` elements a rank."""
+    n = len(devices)
+    view = _plan.GroupView(
+        0, n, tuple(d.id for d in devices), "tpu", tuple(range(n)),
+        device_kind=devices[0].device_kind,
+    )
+    if op == "all_gather":
+        return _plan.all_gather_into_tensor(
+            view, torch.empty(block * n, dtype=dtype), torch.ones(block, dtype=dtype)
+        )
+    return _plan.reduce_scatter_tensor(
+        view, torch.empty(block, dtype=dtype), torch.ones(block * n, dtype=dtype),
+        dist.ReduceOp.SUM,
+    )
+
+
+# Blocks libtpu 0.0.52 refused over a whole TPU7x slice without the generation's compiler
+# options (benchmarks/README.md, E44): 128 and 1,024 elements a rank (issue 31's MaxText
+# programs), and a large bf16 block.
+_WHOLE_SLICE = [
+    ("all_gather", torch.float32, 128),
+    ("all_gather", torch.bfloat16, 1024),
+    ("all_gather", torch.bfloat16, 65536),
+    ("reduce_scatter", torch.float32, 1024),
+    ("reduce_scatter", torch.bfloat16, 65536),
+]
+
+
+@pytest.mark.parametrize(("op", "dtype", "block"), _WHOLE_SLICE)
+def test_whole_tpu7x_slice_all_gather_and_reduce_scatter_compile(
+    op: str, dtype: torch.dtype, block: int
+) -> None:
+    # A pure-FSDP job over a whole TPU7x slice (MaxText's layout): XLA:TPU makes each of these
+    # one all-reduce over the whole slice, which libtpu's SparseCore offload then failed on
+    # ("async-update instruction should have 1 operands but sees 2").
+    devices = _tpu7x("4x4x4")
+    key = _whole_slice_plan(devices, op, dtype, block).key
+    assert key.devices == tuple(d.id for d in devices) and key.algorithm == "xla"
+    result = compile_collective(key, devices)
+    ops = [c for c in result.collectives if c.op != "megascale-send"]
+    assert [c.op for c in ops] in (["all-reduce"], ["all-gather"], ["reduce-scatter"]), [
+        c.op for c in ops
+    ]
+    assert ops[0].replica_groups == (tuple(range(len(devices))),), ops[0].replica_groups
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_whole_512_device_tpu7x_slice_compiles(op: str) -> None:
+    # The slice of MaxText's TPU7x recipes (tpu7x:4x8x8, 512 devices), bf16 blocks of 4,096.
+    devices = _tpu7x("4x8x8")
+    key = _whole_slice_plan(devices, op, torch.bfloat16, 4096).key
+    (found,) = [c for c in compile_collective(key, devices).collectives]
+    assert found.op in ("all-reduce", "all-gather", "reduce-scatter"), found.op
+    assert found.replica_groups == (tuple(range(512)),)
+
+
+def test_compiler_options_come_from_the_generation() -> None:
+    # TPU7x programs get the generation's options; other TPUs and the CPU get none.
+    tpu7x = _tpu7x("4x4x4")
+    assert _lowering.compiler_options(tpu7x[:2]) == {
+        "xla_tpu_enable_sparse_core_collective_offload_all_reduce": False
+    }
+    assert dict(get_generation("v7x").collective_compiler_options) == (
+        _lowering.compiler_options(tpu7x)
+    )
+    v5p = topology_devices(Topology.create("v5p", "2x2x1"))
+    assert _lowering.compiler_options(v5p) == {}
+    import jax
+
+    assert _lowering.compiler_options(jax.devices("cpu")) == {}

@@ -59,6 +59,7 @@ from jax.sharding import PartitionSpec as P
 
 from tpu_dist.collectives import _compile_cache, _jaxlib
 from tpu_dist.collectives._types import Kind, ProgramKey
+from tpu_dist.mesh import generation_of_device_kind
 
 logger = logging.getLogger(__name__)
 
@@ -264,9 +265,12 @@ class ProgramCache:
         (it serves other groups, or goes to the on-disk cache), also return it serialized, and
         with ``store`` put it in the on-disk cache."""
         lowered = lower(key, devices, self.mesh_for(devices, key.groups))
+        options = compiler_options(devices)
         with _jaxlib.x64_scope(), _compile_cache.watch_compile() as watch:
             try:
-                compiled = lowered.compile()
+                compiled = lowered.compile(compiler_options=options) if options else (
+                    lowered.compile()
+                )
             except Exception as err:
                 hint = part_of_slice_hint(key, str(err))
                 if hint is None:
@@ -311,6 +315,17 @@ def part_of_slice_hint(key: ProgramKey, message: str) -> str | None:
         "new_group used by only some ranks, and send/recv between two ranks, cannot run on "
         "v5e, and only on some device sets of v6e"
     )
+
+
+def compiler_options(devices: Sequence[jax.Device]) -> dict[str, bool | int | str]:
+    """The compiler options a program over ``devices`` is compiled with: those of their TPU
+    generation (``tpu_dist.mesh.Generation.collective_compiler_options``; TPU7x: no SparseCore
+    offload of all-reduces, which libtpu 0.0.52 fails on whole-slice programs), else none
+    (CPU, and TPU generations that need none or that ``tpu_dist.mesh`` does not know)."""
+    if not devices or devices[0].platform != "tpu":
+        return {}
+    generation = generation_of_device_kind(devices[0].device_kind)
+    return dict(generation.collective_compiler_options) if generation is not None else {}
 
 
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:

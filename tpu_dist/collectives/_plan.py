@@ -299,10 +299,9 @@ def uses_family_program(platform: str, device_kind: str) -> bool:
     * Other TPU generations (v4, v5p, TPU7x): never. The group's own program compiles there for
       every kind at any scale, and the family program costs more for nothing: over
       ``tpu7x:16x16x16`` (8,192 devices) the family programs of the FSDP2 x TP example took
-      25-52 s each to compile against 2-4 s for the groups' own, in the same run; and on TPU7x
-      libtpu 0.0.52 rejects XLA's own all-gather and reduce-scatter inside a whole-slice
-      program (``RET_CHECK ... async-update instruction should have 1 operands but sees 2``)
-      whenever it keeps them native (benchmarks/README.md, E41).
+      25-52 s each to compile against 2-4 s for the groups' own, in the same run
+      (benchmarks/README.md, E41). (A TPU7x program over a whole slice compiles only with the
+      generation's compiler options, ``Generation.collective_compiler_options``, E44.)
     """
     if platform != "tpu":
         return True

@@ -145,6 +145,17 @@ class Generation:
     group`` for many groups). The "tpu" backend then runs a mesh dimension's collectives as
     family programs (``tpu_dist.collectives.ProgramKey.groups``). Measured with libtpu's
     compile-only devices: benchmarks/ISSUE33_NOTES.md."""
+    collective_compiler_options: tuple[tuple[str, bool | int | str], ...] = ()
+    """XLA:TPU compiler options (``lowered.compile(compiler_options=...)``) every collective
+    program of the "tpu" backend is compiled with on this generation, as (name, value) pairs.
+    TPU7x: ``xla_tpu_enable_sparse_core_collective_offload_all_reduce=False``. libtpu 0.0.52
+    fails an all-reduce over a whole TPU7x slice of more than about 32 KiB a device (``RET_CHECK
+    ... async-update instruction should have 1 operands but sees 2``) unless this SparseCore
+    offload is off; XLA turns whole-slice all-gathers and reduce-scatters into such all-reduces,
+    so FSDP over a whole slice did not compile. With the option they compile (an all-reduce
+    over the slice, as before), and the programs over part of a slice that compiled without it
+    compile to the same HLO but for instruction names and order (benchmarks/README.md, E44;
+    benchmarks/slice_programs.py)."""
 
     def __post_init__(self) -> None:
         if self.torus_ndim not in (2, 3):
@@ -590,6 +601,9 @@ V7X = register_generation(
             "cloud.google.com/tpu/docs/tpu7x (System architecture): peak compute per chip "
             "(BF16) 2307 TFLOP/s, HBM capacity per chip 192 GiB at 7380 GB/s; two devices per "
             "chip, so 1153.5 TFLOP/s, 96 GiB and 3690 GB/s per device"
+        ),
+        collective_compiler_options=(
+            ("xla_tpu_enable_sparse_core_collective_offload_all_reduce", False),
         ),
     )
 )
