@@ -13,7 +13,7 @@ ops of the compiled HLO (kind, replica groups, operand shapes), the scratch memo
         [--env LIBTPU_INIT_ARGS=...] [--out FILE.jsonl]
     python benchmarks/slice_programs.py flags [--topology tpu7x:2x2x1] [--out FILE.jsonl]
     python benchmarks/slice_programs.py plan [--topologies ...] [--out FILE.jsonl]
-    python benchmarks/slice_programs.py table FILE.jsonl [...]
+    python benchmarks/slice_programs.py table [--matrix | --versus] FILE.jsonl [...]
 
 Every compile runs in a child process under an address-space limit (``--limit-gib``, default
 8): libtpu's compiler can kill its process (SIGABRT/SIGFPE). A child that dies is restarted
@@ -36,7 +36,8 @@ per-rank element count of the all-gather's input / the reduce-scatter's output:
 * ``rs_native``: ``lax.psum_scatter(x, "x", tiled=True)`` (tpu_dist's ``"xla"``);
 * ``rs_psum_slice``: ``psum`` of the whole buffer, then this rank's slice;
 * ``rs_alltoall``: tpu_dist's ``"exchange"`` reduce-scatter;
-* ``ar_native``: ``psum`` of a ``block``-element buffer (a reference: all-reduce compiles).
+* ``ar_native``: ``psum`` of a ``block``-element buffer (tpu_dist's ``"xla"`` all-reduce);
+* ``ar_exchange``: tpu_dist's ``"exchange"`` all-reduce (two all-to-alls).
 
 ``plan``: tpu_dist's own plan (``_plan.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on
 a ``GroupView`` of every device, as the "tpu" backend plans a whole-slice group) compiled with
@@ -62,7 +63,7 @@ AG_FORMS = (
     "ag_two_level", "ag_native_family_order",
 )
 RS_FORMS = ("rs_native", "rs_psum_slice", "rs_alltoall")
-FORMS = AG_FORMS + RS_FORMS + ("ar_native",)
+FORMS = AG_FORMS + RS_FORMS + ("ar_native", "ar_exchange")
 DEFAULT_FORMS = ("ag_native", "ag_psum", "ag_alltoall", "ag_two_level", "rs_native",
                  "rs_psum_slice", "rs_alltoall")
 DEFAULT_BLOCKS = (128, 129, 256, 512, 516, 1024, 1032, 2048, 4096, 8192, 65536)
@@ -150,6 +151,11 @@ def _body(form: str, size: int, block: int):
         )
     if form == "ar_native":
         return lambda x: lax.psum(x, "x")
+    if form == "ar_exchange":  # tpu_dist's "exchange" all-reduce: two all-to-alls
+        from tpu_dist.collectives import _lowering
+
+        body = _lowering._allreduce_direct(size, "SUM")
+        return lambda x: body(x)[0]
     raise ValueError(form)
 
 
@@ -393,11 +399,56 @@ def run_plan(args) -> None:
     run_cases(cases, args.out, args.limit_gib)
 
 
+def _short(row: dict) -> str:
+    """A matrix cell: the HLO collectives (AR all-reduce, AG all-gather, RS reduce-scatter, A2A
+    all-to-all, CP collective-permute) and the scratch if 1 MiB or more; or the failure."""
+    if row["status"] != "ok":
+        return row.get("code", row["status"]).replace("CRASH (signal ", "").rstrip(")")
+    names = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "all-to-all": "A2A",
+             "collective-permute": "CP"}
+    ops = "+".join(sorted({names.get(o["op"], o["op"]) for o in row.get("ops", [])}))
+    temp = row.get("temp_bytes") or 0
+    return f"{ops}" + (f" ({temp / 2**20:.0f} MiB)" if temp >= 2**20 else "")
+
+
+def _abbrev(flag: str) -> str:
+    return flag.replace("xla_tpu_", "").replace("enable_sparse_core_collective_offload_", "sc_")
+
+
+def run_matrix(rows: list[dict], versus: bool = False) -> None:
+    """One line per (where, form, dtype, options), one column per block; with ``versus`` one
+    line per (where, form, dtype), each cell ``without options / with options``."""
+    blocks = sorted({r["block"] for r in rows})
+    lines: dict[tuple, dict[int, dict[bool, str]]] = {}
+    for r in rows:
+        where = r["topology"] + (f" first {r['ranks']}" if r.get("ranks") else "") + (
+            f" stride {r['stride']}" if r.get("stride") else "")
+        opts = ", ".join(f"{_abbrev(k)}={v}" for k, v in (r.get("options") or {}).items())
+        key = (where, r["form"], r["dtype"]) + (() if versus else (opts,))
+        lines.setdefault(key, {}).setdefault(r["block"], {})[bool(opts)] = _short(r)
+
+    def cell(found: dict[bool, str]) -> str:
+        if not versus:
+            return next(iter(found.values()), "")
+        return f"{found.get(False, '')} / {found.get(True, '')}"
+
+    head = "| devices | form | dtype | " + ("" if versus else "options | ")
+    print(head + " | ".join(map(str, blocks)) + " |")
+    print("|---|---|---|" + ("" if versus else "---|") + "---|" * len(blocks))
+    for key, cells in lines.items():
+        first = list(key[:3]) + ([] if versus else [key[3] or "-"])
+        print("| " + " | ".join(first) + " | "
+              + " | ".join(cell(cells.get(b, {})) for b in blocks) + " |")
+
+
 def run_table(args) -> None:
     rows = []
     for path in args.files:
         with open(path) as fh:
             rows += [json.loads(line) for line in fh if line.strip()]
+    if args.matrix or args.versus:
+        run_matrix(rows, args.versus)
+        return
     print("| topology | form | dtype | block | options / env | result | HLO collectives | "
           "temp bytes | compile s |")
     print("|---|---|---|---:|---|---|---|---:|---:|")
@@ -408,7 +459,7 @@ def run_table(args) -> None:
         ops = ", ".join(f"{o['op']} {o['groups']}x{o['group_size']}" for o in r.get("ops", []))
         temp = "" if r.get("temp_bytes") is None else f"{r['temp_bytes']:,}"
         where = r["topology"] + (f" first {r['ranks']}" if r.get("ranks") else "") + (
-            f" every {r['stride']}th" if r.get("stride") else "")
+            f" stride {r['stride']}" if r.get("stride") else "")
         print(f"| {where} | {r['form']} | {r['dtype']} | {r['block']} | {opts} | "
               f"{result} | {ops} | {temp} | {r.get('seconds', '')} |")
 
@@ -441,6 +492,10 @@ def main() -> None:
         p.add_argument("--limit-gib", type=float, default=8.0)
     table = sub.add_parser("table")
     table.add_argument("files", nargs="+")
+    table.add_argument("--matrix", action="store_true",
+                       help="one row per form, one column per block (cells: HLO op or failure)")
+    table.add_argument("--versus", action="store_true",
+                       help="as --matrix, each cell 'without options / with options'")
     args = parser.parse_args()
     {"sweep": run_sweep, "flags": run_flags, "plan": run_plan, "table": run_table}[args.cmd](args)
 
