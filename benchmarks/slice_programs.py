@@ -37,7 +37,8 @@ per-rank element count of the all-gather's input / the reduce-scatter's output:
 * ``rs_psum_slice``: ``psum`` of the whole buffer, then this rank's slice;
 * ``rs_alltoall``: tpu_dist's ``"exchange"`` reduce-scatter;
 * ``ar_native``: ``psum`` of a ``block``-element buffer (tpu_dist's ``"xla"`` all-reduce);
-* ``ar_exchange``: tpu_dist's ``"exchange"`` all-reduce (two all-to-alls).
+* ``ar_exchange``: tpu_dist's ``"exchange"`` all-reduce (two all-to-alls);
+* ``a2a_native``: tpu_dist's all-to-all, ``block`` elements to each rank.
 
 ``plan``: tpu_dist's own plan (``_plan.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on
 a ``GroupView`` of every device, as the "tpu" backend plans a whole-slice group) compiled with
@@ -63,7 +64,7 @@ AG_FORMS = (
     "ag_two_level", "ag_native_family_order",
 )
 RS_FORMS = ("rs_native", "rs_psum_slice", "rs_alltoall")
-FORMS = AG_FORMS + RS_FORMS + ("ar_native", "ar_exchange")
+FORMS = AG_FORMS + RS_FORMS + ("ar_native", "ar_exchange", "a2a_native")
 DEFAULT_FORMS = ("ag_native", "ag_psum", "ag_alltoall", "ag_two_level", "rs_native",
                  "rs_psum_slice", "rs_alltoall")
 DEFAULT_BLOCKS = (128, 129, 256, 512, 516, 1024, 1032, 2048, 4096, 8192, 65536)
@@ -151,6 +152,8 @@ def _body(form: str, size: int, block: int):
         )
     if form == "ar_native":
         return lambda x: lax.psum(x, "x")
+    if form == "a2a_native":  # tpu_dist's all_to_all_single: block elements to each rank
+        return lambda x: lax.all_to_all(x.reshape(size, -1), "x", 0, 0, tiled=True).reshape(-1)
     if form == "ar_exchange":  # tpu_dist's "exchange" all-reduce: two all-to-alls
         from tpu_dist.collectives import _lowering
 
@@ -184,7 +187,7 @@ def _compile_case(case: dict, cache: dict) -> dict:
     else:
         mesh = Mesh(np.array(devices, dtype=object), ("x",))
         spec = P("x")
-    per_rank_in = block * size if form in RS_FORMS else block
+    per_rank_in = block * size if form in RS_FORMS or form == "a2a_native" else block
     sharding = NamedSharding(mesh, spec)
     mapped = jax.shard_map(
         _body(form, size, block), mesh=mesh, in_specs=(spec,), out_specs=spec, check_vma=False

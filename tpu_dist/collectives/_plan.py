@@ -29,6 +29,7 @@ every rank, so every rank runs the same program); what differs between ranks is 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -410,7 +411,8 @@ def _program(
 
     own = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
     if group.platform == "tpu" and kind in (Kind.ALLGATHER, Kind.REDUCE_SCATTER):
-        blocks, finish = _aligned_for_tpu(kind, group.size, blocks, finish)
+        align = tpu_block_align(kind, group.device_kind)
+        blocks, finish = _aligned_for_tpu(kind, group.size, blocks, finish, align)
     meta = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
     key = program_key(
         kind, group.device_ids, meta, params, group.platform, group.family, group.device_kind
@@ -418,11 +420,23 @@ def _program(
     return Plan(op, key, tuple(blocks), finish, data_blocks=own if own != meta else None)
 
 
+def tpu_block_align(kind: Kind, device_kind: str) -> int:
+    """The multiple of elements each rank's part of a TPU all-gather or reduce-scatter is
+    padded to on devices of ``device_kind``: :data:`TPU_BLOCK_ALIGN`, and for an all-gather
+    also a multiple of the generation's ``all_gather_block_multiple``
+    (``tpu_dist.mesh.Generation``; TPU7x: 1,024)."""
+    generation = generation_of_device_kind(device_kind)
+    if kind != Kind.ALLGATHER or generation is None:
+        return TPU_BLOCK_ALIGN
+    return math.lcm(TPU_BLOCK_ALIGN, generation.all_gather_block_multiple)
+
+
 def _aligned_for_tpu(
-    kind: Kind, size: int, blocks: Sequence[torch.Tensor], finish: Finish
+    kind: Kind, size: int, blocks: Sequence[torch.Tensor], finish: Finish,
+    align: int = TPU_BLOCK_ALIGN,
 ) -> tuple[Sequence[torch.Tensor], Finish]:
-    """``blocks`` with each rank's part padded with zeros to a multiple of
-    :data:`TPU_BLOCK_ALIGN` elements, and the finish step that drops the padding first.
+    """``blocks`` with each rank's part padded with zeros to a multiple of ``align``
+    elements (:func:`tpu_block_align`), and the finish step that drops the padding first.
 
     An all-gather's block is this rank's part (its result: ``size`` parts); a reduce-scatter's
     block is ``size`` parts (its result: one). The padded elements of a reduce-scatter reduce
@@ -430,7 +444,7 @@ def _aligned_for_tpu(
     parts = []
     for b in blocks:
         n = b.numel() if kind == Kind.ALLGATHER else b.numel() // size
-        parts.append((n, -(-n // TPU_BLOCK_ALIGN) * TPU_BLOCK_ALIGN))
+        parts.append((n, -(-n // align) * align))
     if all(n == m for n, m in parts):
         return blocks, finish
     padded = []

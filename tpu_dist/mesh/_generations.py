@@ -157,6 +157,18 @@ class Generation:
     compile to the same HLO but for instruction names and order (benchmarks/README.md, E44;
     benchmarks/slice_programs.py)."""
 
+    all_gather_block_multiple: int = 1
+    """The "tpu" backend pads each rank's all-gather block (in words: ``_plan.words``) to a
+    multiple of this many elements on this generation (and of
+    ``tpu_dist.collectives._plan.TPU_BLOCK_ALIGN``, 128, on every TPU), and drops the padding
+    from the result.
+    TPU7x: 1,024 (the 1-D tile of XLA:TPU's layouts). libtpu 0.0.52 compiles an int16 (bf16
+    words) all-gather over 4 devices of ``tpu7x:2x2x1`` in about 0.6 s when the block is a
+    multiple of 1,024 elements (1,000,448, 4,000,768, 30,000,128) and in 5-126 s, with scratch
+    up to 3.5x the output, when it is not (1,000,064, 4,000,000, 30,000,000); int32 blocks of
+    4,000,000 compiled fast: benchmarks/README.md, E44. The padding costs at most 1,023
+    elements a rank and a copy of the block and of the result."""
+
     def __post_init__(self) -> None:
         if self.torus_ndim not in (2, 3):
             raise ValueError(f"torus_ndim must be 2 or 3, got {self.torus_ndim=}")
@@ -605,6 +617,7 @@ V7X = register_generation(
         collective_compiler_options=(
             ("xla_tpu_enable_sparse_core_collective_offload_all_reduce", False),
         ),
+        all_gather_block_multiple=1024,
     )
 )
 
