@@ -300,11 +300,12 @@ def test_compiler_options_come_from_the_generation() -> None:
 
 
 def test_tpu7x_all_gather_blocks_are_padded_to_whole_tiles_and_unpadded() -> None:
-    # TPU7x: each rank's all-gather block is padded to a multiple of 1,024 words; the output
-    # is every rank's unpadded block, in rank order. CPU plans are not padded.
-    n, size = 1000, 4
+    # TPU7x: each rank's all-gather block is padded to a multiple of 1,024 words (not only of
+    # _plan.TPU_BLOCK_ALIGN, 128: 1,100 -> 2,048, not 1,152); the output is every rank's
+    # unpadded block, in rank order. CPU plans are not padded.
+    n, size = 1100, 4
     inputs = [torch.arange(n, dtype=torch.bfloat16) + 1000 * r for r in range(size)]
-    for platform, kind, expected in (("tpu", "TPU7x", 1024), ("cpu", "cpu", n)):
+    for platform, kind, expected in (("tpu", "TPU7x", 2048), ("cpu", "cpu", n)):
         view = _plan.GroupView(0, size, (0, 2, 4, 6), platform, device_kind=kind)
         out = torch.empty(size * n, dtype=torch.bfloat16)
         plan = _plan.all_gather_into_tensor(view, out, inputs[0])
@@ -321,18 +322,19 @@ def test_tpu7x_all_gather_blocks_are_padded_to_whole_tiles_and_unpadded() -> Non
 
 def test_an_unaligned_tpu7x_all_gather_stays_a_native_all_gather() -> None:
     # The FSDP all-gather of Qwen3-32B's small layout: one core of each chip of tpu7x:2x2x1
-    # (4 devices), bf16 blocks not a multiple of 1,024 words. Unpadded, libtpu compiles it
-    # into an all-reduce, or into a native all-gather after minutes (30,000,000 words: 126 s,
-    # 840 MB of scratch); padded, into a native all-gather with no scratch in about a second.
+    # (4 devices), bf16 blocks not a multiple of 1,024 words. Unpadded (or padded to 128 only),
+    # libtpu compiles it slowly with scratch (4,000,000 words, a multiple of 128: 31 s, 61 MiB;
+    # 30,000,000: 126 s, 801 MiB) or into an all-reduce (1,000,000); padded to 1,024, into a
+    # native all-gather with no scratch in about a second.
     devices = topology_devices(Topology.create("tpu7x", "2x2x1"))[::2]
     view = _plan.GroupView(
         0, 4, tuple(d.id for d in devices), "tpu", device_kind=devices[0].device_kind
     )
-    n = 1_000_000
+    n = 4_000_000
     plan = _plan.all_gather_into_tensor(
         view, torch.empty(4 * n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)
     )
-    assert plan.key.blocks == ((1_000_448, "int16"),)
+    assert plan.key.blocks == ((4_000_768, "int16"),)
     result = compile_collective(plan.key, devices)
     assert [(c.op, c.replica_groups) for c in result.collectives] == [
         ("all-gather", ((0, 1, 2, 3),))
