@@ -70,15 +70,17 @@ TPU_BLOCK_ALIGN = 128
 """On TPU, an all-gather's and a reduce-scatter's per-rank block is padded to a multiple of
 this many elements (the program moves the padding; the plan's finish drops it).
 
-Measured with libtpu 0.0.52's compiler (benchmarks/README.md, E45): an all-gather over 128
-devices across two ``v5p:8x8x8`` slices of 1,950,000 bf16 elements a rank (Llama-3-70B's
-root-module parameters at dp 128) took more than 8 GiB of the compiler's memory and did not
-compile (35-96 s, then out of address space), while 1,950,080 (a multiple of 128) compiled
-in 0.6 s at 0.6 GiB; padding inside the program and slicing it off there did not help (XLA
-folds the slice into the collective). Within a slice an unaligned all-gather becomes an
-all-reduce of the whole output (8 of 64 ``v5p:4x4x4`` devices, 1,000,000 elements), an aligned
-one stays an all-gather. The padding costs under 128 elements a rank and one copy of the
-output on the host."""
+The floor for TPUs the generation table does not know; an all-gather's block is padded to a
+multiple of the generation's ``all_gather_block_multiple`` too (1,024 on every generation in
+the table: :func:`tpu_block_align`). Measured with libtpu 0.0.52's compiler
+(benchmarks/README.md, E45): an all-gather over 128 devices across two ``v5p:8x8x8`` slices of
+1,950,000 bf16 elements a rank (Llama-3-70B's root-module parameters at dp 128) took more than
+8 GiB of the compiler's memory and did not compile (35-96 s, then out of address space), while
+1,950,080 (a multiple of 128) compiled in 0.6 s and 1,950,720 (of 1,024) in 3.1 s; padding
+inside the program and slicing it off there did not help (XLA folds the slice into the
+collective). Within a slice, 1,000,000 elements became an all-reduce of the whole output,
+1,000,064 (of 128) compiled in 16-33 s on v4, v5e and v6e, 1,000,448 (of 1,024) as a plain
+all-gather in under 1.5 s. The padding costs one copy of the output on the host."""
 
 
 @dataclass(frozen=True)

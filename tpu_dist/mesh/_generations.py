@@ -162,12 +162,15 @@ class Generation:
     multiple of this many elements on this generation (and of
     ``tpu_dist.collectives._plan.TPU_BLOCK_ALIGN``, 128, on every TPU), and drops the padding
     from the result.
-    TPU7x: 1,024 (the 1-D tile of XLA:TPU's layouts). libtpu 0.0.52 compiles an int16 (bf16
-    words) all-gather over 4 devices of ``tpu7x:2x2x1`` in about 0.6 s when the block is a
-    multiple of 1,024 elements (1,000,448, 4,000,768, 30,000,128) and in 5-126 s, with scratch
-    up to 3.5x the output, when it is not (1,000,064, 4,000,000, 30,000,000); int32 blocks of
-    4,000,000 compiled fast: benchmarks/README.md, E44. The padding costs at most 1,023
-    elements a rank and a copy of the block and of the result."""
+    1,024 on every generation in the table (the 1-D tile of XLA:TPU's layouts). libtpu 0.0.52
+    compiles an int16 (bf16 words) all-gather over 4 devices of ``tpu7x:2x2x1`` in about 0.6 s
+    when the block is a multiple of 1,024 elements (1,000,448, 4,000,768, 30,000,128) and in
+    5-126 s, with scratch up to 3.5x the output, when it is not (1,000,064, 4,000,000,
+    30,000,000); int32 blocks of 4,000,000 compiled fast (benchmarks/README.md, E44). On v4,
+    v5e and v6e a block of 1,000,064 (a multiple of 128, not of 1,024) took 16-33 s and
+    1.1-1.3 GiB, 1,000,448 0.4-1.4 s; across two v5p slices 1,000,000 took 80 s and 3.2 GiB,
+    1,000,448 1.7 s (E45). The padding costs at most 1,023 elements a rank and a copy of the
+    block and of the result."""
 
     def __post_init__(self) -> None:
         if self.torus_ndim not in (2, 3):
@@ -467,6 +470,7 @@ V4 = register_generation(
             "cloud.google.com/tpu/docs/v4 (System architecture): peak compute per chip 275 "
             "TFLOP/s (bf16 or int8), HBM2 32 GiB at 1200 GB/s; one megacore device per chip"
         ),
+        all_gather_block_multiple=1024,
     )
 )
 V5E = register_generation(
@@ -507,6 +511,7 @@ V5E = register_generation(
             "197 TFLOP/s, HBM 16 GiB at 819 GB/s (older versions of the page say '16 GB' and "
             "'800 GiBps'; the current table's 16 GiB / 819 GBps is used)"
         ),
+        all_gather_block_multiple=1024,
     )
 )
 V5P = register_generation(
@@ -541,6 +546,7 @@ V5P = register_generation(
             "459 TFLOP/s, HBM capacity per chip 95 GiB, HBM bandwidth 2765 GB/s; one megacore "
             "device per chip"
         ),
+        all_gather_block_multiple=1024,
     )
 )
 V6E = register_generation(
@@ -580,6 +586,7 @@ V6E = register_generation(
             "of cloud.google.com/tpu/docs/tpu7x ('HBM capacity per chip (GiB)': 32; the v6e "
             "page itself says '32 GB')"
         ),
+        all_gather_block_multiple=1024,
     )
 )
 V7X = register_generation(
