@@ -64,6 +64,10 @@ CASES = {
     # Two v5p slices of 512 chips (1,024 devices): tp 8 inside a slice, dp 128 across both
     # (its groups cross the DCN).
     "70b-v5p-2slices": ("llama3-70b", "v5p:8x8x8", 8, 1, None),
+    # Issue 22's generations, whose collectives run as family programs over the whole slice:
+    # a full v5e / v6e pod (256 chips), tp 8 x dp 32.
+    "8b-v5e": ("llama3-8b", "v5e:16x16", 8, 1, None),
+    "8b-v6e": ("llama3-8b", "v6e:16x16", 8, 1, None),
 }
 SLICES = {"70b-v5p-2slices": 2}
 """Cases on more than one slice: name -> slices (``--num-slices``)."""

@@ -426,7 +426,7 @@ def tpu_block_align(kind: Kind, device_kind: str) -> int:
     """The multiple of elements each rank's part of a TPU all-gather or reduce-scatter is
     padded to on devices of ``device_kind``: :data:`TPU_BLOCK_ALIGN`, and for an all-gather
     also a multiple of the generation's ``all_gather_block_multiple``
-    (``tpu_dist.mesh.Generation``; TPU7x: 1,024)."""
+    (``tpu_dist.mesh.Generation``: 1,024 on every generation in the table)."""
     generation = generation_of_device_kind(device_kind)
     if kind != Kind.ALLGATHER or generation is None:
         return TPU_BLOCK_ALIGN
