@@ -12,7 +12,6 @@ that may use at most 4 GiB (a compiler that grows past it dies there, not here).
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -23,8 +22,16 @@ pytest.importorskip("libtpu", reason="TPU compilation needs libtpu (pip install 
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_COMPILE = """
-import resource, sys, time
+# Each child first limits its own address space (before libtpu loads): a compiler that grows
+# past 4 GiB dies there, not in the test process.
+_LIMIT = """
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+"""
+
+_COMPILE = _LIMIT + """
+import time
 import torch
 from tpu_dist.collectives import _plan
 from tpu_dist.collectives.compile_only import compile_collective, topology_devices
@@ -43,7 +50,7 @@ print(len(devices), plan.key.blocks, sorted({c.op for c in result.collectives}),
 """
 
 
-_IN_SLICE = """
+_IN_SLICE = _LIMIT + """
 import torch
 from tpu_dist.collectives import _plan
 from tpu_dist.collectives.compile_only import compile_collective, topology_devices
@@ -61,16 +68,10 @@ for spec in ("v4:2x2x2", "v5e:4x4", "v6e:4x4", "v5p:2x2x2"):
 """
 
 
-def _limit_memory() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def test_cross_slice_all_gather_of_an_unaligned_block_compiles() -> None:
     proc = subprocess.run(
         [sys.executable, "-c", _COMPILE], capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
-        preexec_fn=_limit_memory,
     )
     assert proc.returncode == 0, (
         f"the program did not compile within 4 GiB (exit {proc.returncode}):\n"
@@ -87,7 +88,6 @@ def test_an_all_gather_block_is_a_multiple_of_1024_on_every_generation() -> None
     proc = subprocess.run(
         [sys.executable, "-c", _IN_SLICE], capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},
-        preexec_fn=_limit_memory,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
