@@ -265,12 +265,9 @@ class ProgramCache:
         (it serves other groups, or goes to the on-disk cache), also return it serialized, and
         with ``store`` put it in the on-disk cache."""
         lowered = lower(key, devices, self.mesh_for(devices, key.groups))
-        options = compiler_options(devices)
         with _jaxlib.x64_scope(), _compile_cache.watch_compile() as watch:
             try:
-                compiled = lowered.compile(compiler_options=options) if options else (
-                    lowered.compile()
-                )
+                compiled = compile_lowered(lowered, devices)
             except Exception as err:
                 hint = part_of_slice_hint(key, str(err))
                 if hint is None:
@@ -326,6 +323,15 @@ def compiler_options(devices: Sequence[jax.Device]) -> dict[str, bool | int | st
         return {}
     generation = generation_of_device_kind(devices[0].device_kind)
     return dict(generation.collective_compiler_options) if generation is not None else {}
+
+
+def compile_lowered(
+    lowered: jax.stages.Lowered, devices: Sequence[jax.Device]
+) -> jax.stages.Compiled:
+    """``lowered.compile()`` with the :func:`compiler_options` of ``devices`` (none: the call
+    without options, as JAX's own)."""
+    options = compiler_options(devices)
+    return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 
 def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:

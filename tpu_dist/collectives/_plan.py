@@ -411,8 +411,9 @@ def _program(
             it = iter(results)
             return whole([e if e is not None else next(it) for e in empties])
 
-    own = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
+    own = None  # the call's own blocks, where the program's may be padded (TPU only)
     if group.platform == "tpu" and kind in (Kind.ALLGATHER, Kind.REDUCE_SCATTER):
+        own = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
         align = tpu_block_align(kind, group.device_kind)
         blocks, finish = _aligned_for_tpu(kind, group.size, blocks, finish, align)
     meta = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
@@ -434,8 +435,7 @@ def tpu_block_align(kind: Kind, device_kind: str) -> int:
 
 
 def _aligned_for_tpu(
-    kind: Kind, size: int, blocks: Sequence[torch.Tensor], finish: Finish,
-    align: int = TPU_BLOCK_ALIGN,
+    kind: Kind, size: int, blocks: Sequence[torch.Tensor], finish: Finish, align: int
 ) -> tuple[Sequence[torch.Tensor], Finish]:
     """``blocks`` with each rank's part padded with zeros to a multiple of ``align``
     elements (:func:`tpu_block_align`), and the finish step that drops the padding first.

@@ -283,9 +283,8 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
         )
         key = dataclasses.replace(key, algorithm=algorithm)
     lowered = _lowering.lower(key, devices)
-    options = _lowering.compiler_options(devices)
     with _jaxlib.x64_scope(), _jaxlib.uncached():
-        compiled = lowered.compile(compiler_options=options) if options else lowered.compile()
+        compiled = _lowering.compile_lowered(lowered, devices)
     text = compiled.as_text()
     try:
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
