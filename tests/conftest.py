@@ -50,8 +50,16 @@ def pytest_configure(config: pytest.Config) -> None:
     so they are set here, before the forkserver that workers come from imports it; a value the
     user set wins (``TPU_DIST_COMPILE_CACHE=0`` runs the suite without tpu_dist's cache).
 
+    One thread for torch's ops in every process of the suite (``OMP_NUM_THREADS=1``, unless
+    the user set it), as torchrun gives each of several workers on a host: ``pytest -n 2``
+    already keeps every core busy, and with a pool of one thread a core per process, the
+    pools of concurrent processes (test processes, their worlds' ranks, launched jobs) spun
+    against each other (benchmarks/README.md, E46). Set before anything here imports torch,
+    which reads it then.
+
     Also keeps pytest-xdist from reordering the modules (see :data:`_LONGEST_FIRST`).
     """
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     tmp = tempfile.gettempdir()
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "tpu_dist_test_jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

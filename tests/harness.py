@@ -49,7 +49,9 @@ never starts JAX's runtime, whose threads would make a fork deadlock):
 2. Sets ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
    ``LOCAL_WORLD_SIZE``, ``OMP_NUM_THREADS=1`` (unless set already, as ``torchrun`` does) and the
    world's extra ``env`` (torch and JAX are imported already: variables they read only at
-   import time, such as ``XLA_FLAGS``, do not take effect); then imports the backend's module (``tpu_dist`` for ``"tpu"``).
+   import time, such as ``XLA_FLAGS``, do not take effect; ``OMP_NUM_THREADS`` is applied with
+   ``torch.set_num_threads``, as a fresh process's import would); then imports the backend's
+   module (``tpu_dist`` for ``"tpu"``).
 3. Calls ``dist.init_process_group(backend, rank=..., world_size=..., **init_kwargs)`` once.
    Rank 0 hosts the ``TCPStore`` on a port the kernel picks (port 0), so concurrent worlds, such
    as those of ``pytest -n 2``, never collide; the store is wrapped as ``env://`` would wrap it.
@@ -842,6 +844,23 @@ def _set_parent_death_signal(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _apply_thread_count() -> None:
+    """Make the worker's ``OMP_NUM_THREADS`` the size of torch's intra-op pool.
+
+    torch (its OpenMP runtime) reads the variable when it is imported, which for a worker was
+    in the forkserver, before the worker's environment was set; ``torch.set_num_threads`` is
+    what a fresh process's import would have done with it. Without it each rank of a world ran
+    torch's ops on as many threads as the machine has cores: on 2 cores a 4-rank world's
+    threads spun against each other, and ``tests/test_fsdp_tp_ddp.py`` took 64 s instead of 35
+    (benchmarks/README.md, E46)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        import torch
+
+        if torch.get_num_threads() != int(value):
+            torch.set_num_threads(int(value))
+
+
 def _start_worker(
     rank: int, config: _WorkerConfig, conn: multiprocessing.connection.Connection
 ) -> None:
@@ -861,6 +880,7 @@ def _start_worker(
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+    _apply_thread_count()
 
     if config.backend_module:
         importlib.import_module(config.backend_module)
