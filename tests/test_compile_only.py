@@ -265,3 +265,44 @@ def test_estimate_follows_the_bandwidth_model() -> None:
     assert estimate_seconds("allreduce", two, across, b) == pytest.approx(b / 6.25e9 + 20e-6)
     # TPU7x's two TensorCores of one chip use no link.
     assert estimate_seconds("allreduce", Topology.parse("tpu7x:2x2x1"), [0, 1], b) is None
+
+
+_FORKED_COMPILER = """
+import json
+from tpu_dist.collectives import ProgramKey
+from tpu_dist.compile_job._compile import Compiler
+from tpu_dist.mesh import Topology
+
+def child_runs_this_command(compiler):
+    with open(f"/proc/{compiler._proc.pid}/cmdline", "rb") as a, open("/proc/self/cmdline", "rb") as b:
+        return a.read() == b.read()
+
+topology = Topology.parse("v5p:2x2x1")
+key = ProgramKey("allreduce", (0, 1, 2, 3), ((1024, "float32"),), ("SUM",))
+found = {}
+for case in ("before JAX starts", "after JAX started"):
+    if case == "after JAX started":
+        import jax
+        jax.devices()  # this process's CPU backend: its threads run now
+    compiler = Compiler(topology, fork=True)
+    compiler.start()
+    forked = child_runs_this_command(compiler)
+    ok, ops, _, _, error = compiler.compile(key)
+    compiler.close()
+    found[case] = [forked, ok, list(ops), error]
+print(json.dumps(found))
+"""
+
+
+def test_the_compiler_is_forked_only_before_jax_starts() -> None:
+    """The compile-only process forks its compiler before libtpu or JAX start threads (a fresh
+    one imports torch and JAX again, about 2 CPU-s); once a JAX backend runs, a fork could copy
+    a lock its threads hold, so a fresh process (spawn) compiles. Both compile the program."""
+    proc = subprocess.run([sys.executable, "-c", _FORKED_COMPILER], env=_env(JAX_PLATFORMS="cpu"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found == {
+        "before JAX starts": [True, True, ["all-reduce"], None],
+        "after JAX started": [False, True, ["all-reduce"], None],
+    }, found

@@ -272,6 +272,14 @@ def load_onto(
         return None
 
 
+def backends_started() -> bool:
+    """Whether this process started a JAX backend (its runtime threads then run, and a fork
+    would copy locks they may hold); True when this jax cannot tell."""
+    if _xla_bridge is None or not hasattr(_xla_bridge, "backends_are_initialized"):
+        return True
+    return bool(_xla_bridge.backends_are_initialized())
+
+
 def connect_to_service(
     address: str,
     process_id: int,

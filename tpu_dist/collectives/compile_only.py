@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CompiledCollective",
     "HloCollective",
+    "can_fork",
     "compile_collective",
     "hlo_collectives",
     "part_of_slice_hint",
@@ -163,6 +164,21 @@ class CompiledCollective:
     """The program's collective operations, in HLO order (:func:`hlo_collectives`)."""
     temp_bytes: int | None
     """Scratch memory per device (``memory_analysis().temp_size_in_bytes``), if reported."""
+
+
+def can_fork() -> bool:
+    """Whether this process may fork a child that compiles (Linux, no Python thread but this
+    one, no JAX backend started): such a child starts without importing torch, JAX and
+    tpu_dist again. Once a backend or another thread runs, a fork could copy a lock one of
+    them holds; start a fresh process (``spawn``) then."""
+    import sys
+    import threading
+
+    return (
+        sys.platform.startswith("linux")
+        and threading.active_count() == 1
+        and not _jaxlib.backends_started()
+    )
 
 
 def topology_devices(topology: Topology) -> list[jax.Device]:

@@ -249,7 +249,10 @@ def _compile_in_child(conn: Any, spec: str, num_slices: int) -> None:
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     from tpu_dist.collectives.compile_only import topology_devices
 
-    by_id = {d.id: d for d in topology_devices(Topology.parse(spec, num_slices))}
+    try:
+        by_id, why_not = {d.id: d for d in topology_devices(Topology.parse(spec, num_slices))}, None
+    except Exception as err:  # the parent meets the same error and reports it, or each program
+        by_id, why_not = {}, f"libtpu could not describe {spec} x {num_slices} slice(s): {err}"
     while True:
         key = conn.recv()
         if key is None:
@@ -257,7 +260,7 @@ def _compile_in_child(conn: Any, spec: str, num_slices: int) -> None:
             # the child alive for the parent's whole 10 s join (measured: 9 s of a 18 s run).
             conn.close()
             os._exit(0)
-        conn.send(_compile_one(key, by_id))
+        conn.send((False, (), 0.0, None, why_not) if why_not else _compile_one(key, by_id))
 
 
 class Compiler:
@@ -267,12 +270,17 @@ class Compiler:
     Every program goes there: libtpu 0.0.52 dies of SIGILL on a group over 2 of 4 slices, and
     of SIGFPE on a psum over one core of every chip of ``tpu7x:16x16x32`` (8,192 of its
     16,384 devices, one slice), so no program is safe to compile in the process that holds the
-    recorded calls. Starting the child costs about 2 CPU-s (torch, JAX, libtpu), once a run
-    (and once more after each crash): :meth:`start` it early (the compile-only process does,
-    before the script runs) and that start overlaps the script's run."""
+    recorded calls. A fresh child costs about 2 CPU-s (torch, JAX, libtpu), once a run (and
+    once more after each crash); a forked one only libtpu's description of the topology:
+    :meth:`start` it early (the compile-only process does, before libtpu or the script starts
+    a thread, so that it is forked and its start overlaps the script's run)."""
 
-    def __init__(self, topology: Topology, *, timeout: float = 300.0) -> None:
+    def __init__(self, topology: Topology, *, timeout: float = 300.0, fork: bool = False) -> None:
         self._spec, self._slices = topology.spec, topology.num_slices
+        self._fork = fork
+        """Fork the first child (when :func:`~tpu_dist.collectives.compile_only.can_fork`):
+        only for a process in which libtpu has not described a topology yet, whose threads
+        ``can_fork`` cannot see. Children after a crash are fresh processes."""
         self.timeout = timeout
         """Seconds one program may take to compile; past it the child is killed and the
         program reported as failed (measured: libtpu 0.0.52 still compiling an all-gather of
@@ -281,12 +289,24 @@ class Compiler:
         self._conn: Any = None
 
     def start(self) -> None:
-        """Start the child now (else the first :meth:`compile` does); returns at once."""
+        """Start the child now (else the first :meth:`compile` does); returns at once.
+
+        Forked if made with ``fork=True``, the first time, when this process may fork
+        (:func:`~tpu_dist.collectives.compile_only.can_fork`: no JAX backend or other Python
+        thread runs yet): the child then has torch, JAX and tpu_dist already (about 2 CPU-s
+        less than a fresh process, benchmarks/README.md E46). Else a fresh process
+        (``spawn``): never fork a process whose JAX or libtpu runs."""
         if self._proc is not None:
             return
         import multiprocessing
 
-        ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
+        from tpu_dist.collectives.compile_only import can_fork
+
+        forked, self._fork = self._fork and can_fork(), False
+        if forked:  # what this process has buffered must not be written again by the child
+            sys.stdout.flush()
+            sys.stderr.flush()
+        ctx = multiprocessing.get_context("fork" if forked else "spawn")
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(
             target=_compile_in_child, args=(child, self._spec, self._slices), daemon=True,

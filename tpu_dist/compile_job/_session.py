@@ -88,18 +88,34 @@ class Session:
 
     # -- after the script ----------------------------------------------------------------
 
-    def start_compiler(self) -> None:
-        """Start the crash-isolating compiler process now, for the world :meth:`world` read,
-        so that its start (about 2 CPU-s) overlaps the script's run; :meth:`compile` uses it.
+    def start_compiler(self, topology: Topology | None = None) -> None:
+        """Start the crash-isolating compiler process now, so that its start overlaps the
+        script's run; :meth:`compile` uses it. For ``topology`` (the world's, before
+        :meth:`world` reads it: the compiler is then forked from this process, about 2 CPU-s
+        less than a fresh one, while libtpu has started no thread here), or for the world
+        :meth:`world` read.
 
         Raises:
-            RuntimeError: :meth:`world` was not called yet.
+            RuntimeError: no ``topology`` given and :meth:`world` was not called yet.
         """
-        if self._world is None:
-            raise RuntimeError("start_compiler: call world() first (the topology is not known)")
-        if self._compiler is None:
+        if self._compiler is not None:
+            return
+        if self._world is not None:
             self._compiler = Compiler(self._world[0])
-            self._compiler.start()
+        elif topology is not None:
+            self._compiler = Compiler(topology, fork=True)
+        else:
+            raise RuntimeError(
+                "start_compiler: pass the topology or call world() first (it is not known)"
+            )
+        self._compiler.start()
+
+    def stop_compiler(self) -> None:
+        """Stop the compiler process, if one was started and :meth:`compile` did not use it
+        (the run ends before compiling)."""
+        compiler, self._compiler = self._compiler, None
+        if compiler is not None:
+            compiler.close()
 
     def measure_steps(self, *, track_memory: bool = True) -> StepMeter:
         """A :class:`~._step.StepMeter` for the script's run (enter it around the run, inside

@@ -153,16 +153,22 @@ def main(argv: list[str] | None = None) -> int:
     slices = _settings.NUM_SLICES.get()
     from tpu_dist import compile_job
 
+    from tpu_dist.mesh import current_topology
+
     session = compile_job.activate()
-    # libtpu's devices first (the "tpu" groups need them; cached for them): without libtpu, or
-    # for a topology it cannot describe, that is the one error, before the script runs (else the
-    # script's init_process_group fails with it and the report then blames the script).
+    # The compiler process first, forked before libtpu starts threads here (a fresh one would
+    # import torch and JAX again: about 2 CPU-s); it describes the topology itself and waits
+    # for programs while the script runs. Then libtpu's devices (the "tpu" groups need them;
+    # cached for them): without libtpu, or for a topology it cannot describe, that is the one
+    # error, before the script runs (else the script's init_process_group fails with it and
+    # the report then blames the script).
     try:
+        session.start_compiler(current_topology(world))
         session.world(world)
     except (RuntimeError, ValueError) as err:
+        session.stop_compiler()
         print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
         return 2
-    session.start_compiler()  # its start (torch, JAX, libtpu) overlaps the script's run
     print(
         f"tpu-launch --compile-only: running {target} as rank {rank} of {world} "
         f"({topology} x {slices} slice(s)) in one process. No TPU is used and no data moves: "
