@@ -34,6 +34,8 @@ import pytest
 
 from tests.harness import World, close_all_worlds
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Let every world share compiled XLA programs, within a session and across sessions.
@@ -57,9 +59,18 @@ def pytest_configure(config: pytest.Config) -> None:
     against each other (benchmarks/README.md, E46). Set before anything here imports torch,
     which reads it then.
 
+    tpu_dist's bytecode is written once, before any test starts (Python's own ``__pycache__``,
+    as every import writes it unless ``PYTHONDONTWRITEBYTECODE`` is set, as it is on the CI
+    machine): else each of the suite's few hundred processes that import tpu_dist (launchers,
+    ranks, compile-only jobs) compiles its sources again, about 0.15 CPU-s each (E46).
+
     Also keeps pytest-xdist from reordering the modules (see :data:`_LONGEST_FIRST`).
     """
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if not hasattr(config, "workerinput"):  # once: the pytest-xdist workers find it written
+        import compileall
+
+        compileall.compile_dir(os.path.join(_ROOT, "tpu_dist"), quiet=2)
     tmp = tempfile.gettempdir()
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "tpu_dist_test_jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
