@@ -117,17 +117,18 @@ def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World
 
 
 _LONGEST_FIRST = (
-    "test_examples", "test_fsdp_tp_ddp", "test_collectives_faults", "test_local_security",
-    "test_compile_only", "test_tpu_compile", "test_families", "test_tpu_compile_families",
-    "test_bench",
-    "test_torch_suite", "test_collectives_movement", "test_launch_faults",
-    "test_collectives_reduce", "test_torch_compile", "test_launch_failures", "test_jaxlib",
-    "test_launch_e2e", "test_dtensor", "test_backend_lifecycle", "test_launch_restart",
-    "test_paused_rank", "test_program_reuse", "test_collectives_semantics",
-    "test_torchtpu_coexistence",
+    "test_examples", "test_compile_only", "test_dtensor", "test_launch_failures",
+    "test_collectives_reduce", "test_fsdp_tp_ddp", "test_launch_faults", "test_step_report",
+    "test_torch_suite", "test_launch_restart", "test_frameworks", "test_backend_lifecycle",
+    "test_torch_compile", "test_collectives_faults", "test_paused_rank",
+    "test_collectives_movement", "test_bench", "test_tpu_compile", "test_launch_e2e",
+    "test_reliability", "test_settings_init", "test_launch_zygote", "test_launch_signals",
+    "test_tpu_block_align", "test_collectives_semantics", "test_jaxlib", "test_compile_cache",
+    "test_launch_tpu_backend", "test_launch_netns", "test_mesh_device_mesh",
 )
 """The modules that take longest, longest first (each module's wall time in a ``pytest -n 2
---dist loadfile`` run, benchmarks/README.md E31c, re-measured in E39). ``--dist loadfile``
+--dist loadfile`` run, benchmarks/README.md E31c, re-measured in E39 and E46: the modules
+of 7 s or more). ``--dist loadfile``
 hands whole modules to the two workers in the order of this list, then the rest in
 collection order: a long module handed out last (such as test_examples, with few tests)
 would leave the other worker idle while it runs. pytest-xdist would instead order the modules by how many *tests* each has
