@@ -152,7 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     topology = _settings.TOPOLOGY.read()
     slices = _settings.NUM_SLICES.get()
     from tpu_dist import compile_job
-
     from tpu_dist.mesh import current_topology
 
     session = compile_job.activate()
