@@ -286,8 +286,8 @@ for case in ("before JAX starts", "after JAX started"):
         jax.devices()  # this process's CPU backend: its threads run now
     compiler = Compiler(topology, fork=True)
     compiler.start()
-    forked = child_runs_this_command(compiler)
     ok, ops, _, _, error = compiler.compile(key)
+    forked = child_runs_this_command(compiler)  # after its answer: a spawned child exec'd by then
     compiler.close()
     found[case] = [forked, ok, list(ops), error]
 print(json.dumps(found))
