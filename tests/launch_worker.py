@@ -79,10 +79,15 @@ LAUNCH_VARS = (
 
 
 def _write_pid(pid_dir: str | None) -> None:
+    """``RANK.pid`` in ``pid_dir``, whole or not at all: written beside the directory and
+    renamed into it, so a test that lists the directory never reads a file still empty (it
+    did once, in CI) nor a temporary one."""
     if pid_dir:
-        path = os.path.join(pid_dir, f"{os.environ['RANK']}.pid")
-        with open(path, "w") as f:
+        rank = os.environ["RANK"]
+        aside = f"{os.path.normpath(pid_dir)}.{rank}.{os.getpid()}.tmp"
+        with open(aside, "w") as f:
             f.write(str(os.getpid()))
+        os.replace(aside, os.path.join(pid_dir, f"{rank}.pid"))
 
 
 def _allreduce(backend: str) -> None:
