@@ -811,11 +811,21 @@ def _linger(conn: multiprocessing.connection.Connection) -> None:
                 return
 
 
-_PRELOAD = ["torch", "torch.distributed", "jax", "jax.numpy", "numpy"]
+_PRELOAD = [
+    "torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo",
+    "jax", "jax.numpy", "numpy", "pytest",
+]
+"""What the forkserver imports once, so that no worker does. Beyond torch and JAX: DTensor
+(``torch.distributed.tensor``: FSDP2, TP and DTensor bodies), ``torch._dynamo`` (which torch's
+functional collectives import at their first call, and DTensor through them) and pytest (every
+worker imports its test module, which imports pytest). Each worker imported those itself
+before: about 1.6 CPU-s per worker of a DTensor or funcol module; six collective and DTensor
+modules took 234-241 CPU-s and 153-157 s without them, 165-171 CPU-s and 118-122 s with them
+(benchmarks/README.md, E47). None of them starts a thread."""
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
-    """Workers fork from a server that has imported torch and JAX once (JAX not started).
+    """Workers fork from a server that has imported :data:`_PRELOAD` once (JAX not started).
 
     Importing torch and JAX costs a worker 2-3 s of CPU; the forkserver pays it once per test
     process. Nothing in the server starts JAX's runtime threads (fork after that deadlocks):
