@@ -96,7 +96,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -732,10 +731,10 @@ def _load_reply(data: bytes) -> tuple[Any, ...]:
 
 
 def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago (below the ephemeral range)."""
+    from tests.launch_worker import free_port
+
+    return free_port()
 
 
 def _file_size(path: str) -> int:

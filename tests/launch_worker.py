@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -319,7 +320,27 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A TCP port nobody listens on right now."""
+    """A TCP port on 127.0.0.1 nobody listens on right now, below the kernel's ephemeral range.
+
+    A port the kernel picks (bind to port 0) comes from that range, from which every outgoing
+    connection and every port-0 listener of the tests running beside this one also draw: one
+    took it in the seconds before a launcher bound it (node 0 of a two-host test then stopped
+    at its pre-flight check, "the master port ... is in use", and node 1 waited for it until the
+    test's timeout). Below the range only ports picked this way are bound."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -200,11 +200,9 @@ def _autoload_installed() -> None:
 def _fresh(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """A process that never imports tpu_dist itself: the repository is on the path only so that
     the entry point's module and tpu_dist resolve to this tree."""
-    import socket
+    from tests.launch_worker import free_port
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     return _python(code.replace("PORT", str(port)), {"TPU_DIST_PLATFORM": "cpu", **env})
 
 
