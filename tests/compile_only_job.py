@@ -179,6 +179,10 @@ def main() -> None:
         with open(os.path.join(args.counts_dir, f"rank{rank}.json"), "w") as f:
             json.dump(_calls, f)
     dist.destroy_process_group()
+    # Which process ran the job (tpu-launch --compile-only runs it in the launcher when it can)
+    # and with how many torch threads.
+    print(f"JOB pid={os.getpid()} ppid={os.getppid()} torch_threads={torch.get_num_threads()} "
+          f"omp={os.environ.get('OMP_NUM_THREADS')}", flush=True)
 
 
 if __name__ == "__main__":

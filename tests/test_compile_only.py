@@ -69,8 +69,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
             _env(TPU_DIST_TOPOLOGY="v5p:2x2x1"),
         ),
         "rank0": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
+        # The launcher runs the compile-only job itself, except where it cannot or is told not
+        # to: here (TPU_DIST_LAUNCH_PRELOAD=0) a fresh process runs it, with the same recording.
         "rank3": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--compile-rank", "3"],
-                  _env()),
+                  _env(TPU_DIST_LAUNCH_PRELOAD="0")),
         "rank0_real": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--tensors", "real"],
                        _env()),
         "dcn": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "2", "--compile-only"],
@@ -96,6 +98,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         out, _ = proc.communicate(timeout=600)
         data = json.loads(report.read_text()) if report.exists() else None
         results[name] = (proc.returncode, out, data)
+    results["pids"] = {name: proc.pid for name, (proc, _) in procs.items()}
     results["gloo_counts"] = {
         rank: json.loads((counts / f"rank{rank}.json").read_text())
         for rank in range(4) if (counts / f"rank{rank}.json").exists()
@@ -133,6 +136,45 @@ def test_recording_matches_what_gloo_sees(runs: dict, rank: int) -> None:
     assert ours_calls == gloo_calls
     assert ours_bytes == gloo_bytes
     assert "VALUES ARE NOT MEANINGFUL" in out and "no data moved" in out
+
+
+def test_the_launcher_runs_the_job_itself_unless_told_not_to(runs: dict) -> None:
+    """``tpu-launch --compile-only`` runs the job in its own process (it imported torch
+    already: about 2 CPU-s less than a fresh one), with torch's thread count set from the job's
+    ``OMP_NUM_THREADS``; with ``TPU_DIST_LAUNCH_PRELOAD=0`` a fresh child runs it (rank3). Both
+    record what gloo sees (test_recording_matches_what_gloo_sees)."""
+
+    def job(name: str) -> dict[str, str]:
+        code, out, _ = runs[name]
+        assert code == 0, out
+        line = next(line for line in out.splitlines() if line.startswith("JOB "))
+        return dict(field.split("=", 1) for field in line.split()[1:])
+
+    launcher = {name: str(pid) for name, pid in runs["pids"].items()}
+    for name in ("rank0", "rank0_real"):
+        assert job(name)["pid"] == launcher[name], (name, job(name), launcher[name])
+    fresh = job("rank3")
+    assert fresh["pid"] != launcher["rank3"] and fresh["ppid"] == launcher["rank3"], fresh
+    for name in ("rank0", "rank0_real", "rank3"):
+        found = job(name)
+        if found["omp"].isdigit():
+            assert found["torch_threads"] == found["omp"], (name, found)
+
+
+def test_a_variable_read_at_start_up_needs_a_fresh_process() -> None:
+    """The launcher's environment against the job's: the rank, topology, JAX and libtpu
+    variables may differ (read after start-up); ``--default-for-cpu``'s variable, which
+    ``import tpu_dist`` reads, or a variable the job lacks, may not."""
+    from tpu_dist.launch._compile_only import _early_vars_changed
+
+    launcher = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "4"}
+    job = {**launcher, "RANK": "3", "WORLD_SIZE": "4", "TPU_DIST_TOPOLOGY": "v5p:2x2x1",
+           "TPU_DIST_NUM_SLICES": "1", "TPU_DIST_COMPILE_ONLY": "1", "JAX_PLATFORMS": "cpu",
+           "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "OMP_NUM_THREADS": "1"}
+    assert _early_vars_changed(job, launcher) == []
+    assert _early_vars_changed({**job, "TPU_DIST_DEFAULT_FOR_CPU": "1"}, launcher) == [
+        "TPU_DIST_DEFAULT_FOR_CPU"]
+    assert _early_vars_changed({k: v for k, v in job.items() if k != "PATH"}, launcher) == ["PATH"]
 
 
 def test_fake_tensors_record_what_real_tensors_do(runs: dict) -> None:

@@ -331,7 +331,8 @@ LAUNCH_PRELOAD: Setting[bool] = Setting(
     env="TPU_DIST_LAUNCH_PRELOAD",
     default="1",
     help="1: tpu-launch forks its workers from a process that imported torch and JAX once (a "
-    "zygote, tpu_dist.launch._zygote); 0: every worker starts as a fresh interpreter.",
+    "zygote, tpu_dist.launch._zygote), and runs a --compile-only job in its own process; 0: "
+    "every worker, and the compile-only job, starts as a fresh interpreter.",
     parse=_bool,
 )
 

@@ -149,7 +149,8 @@ the launcher's own child, in its own session, with the environment, arguments, s
 codes of the fresh ``python -u`` worker it replaces; it starts in milliseconds instead of paying
 1-3 s of imports (benchmarks/README.md E40). Not for ``--no-python`` or ``--run-path`` workers,
 nor where a worker's environment differs from the zygote's in a variable read at import (such
-workers start fresh). ``TPU_DIST_LAUNCH_PRELOAD=0`` starts every worker as a fresh interpreter.
+workers start fresh). ``TPU_DIST_LAUNCH_PRELOAD=0`` starts every worker as a fresh interpreter (and a
+``--compile-only`` job, which the launcher otherwise runs itself: ``._compile_only``).
 
 Output
 ======

@@ -1,12 +1,21 @@
 """``tpu-launch --compile-only``: run the script once as one rank, then compile its collectives.
 
-The launcher side (:func:`run_compile_only`) checks the request and starts ONE process, this
-module run as ``python -m tpu_dist.launch._compile_only``, with the environment the chosen rank
-would get on the real job (``RANK``, ``WORLD_SIZE`` = every device of the topology,
-``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` of its host, ``TPU_DIST_TOPOLOGY``,
-``TPU_DIST_NUM_SLICES``) plus ``TPU_DIST_COMPILE_ONLY=1``. That process hosts a c10d store for
-itself (every rank of the world would otherwise have to connect), runs the script, then compiles
-and reports through :mod:`tpu_dist.compile_job`.
+The launcher side (:func:`run_compile_only`) checks the request and runs ONE compile-only
+process, :func:`main`, with the environment the chosen rank would get on the real job (``RANK``,
+``WORLD_SIZE`` = every device of the topology, ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` /
+``GROUP_RANK`` of its host, ``TPU_DIST_TOPOLOGY``, ``TPU_DIST_NUM_SLICES``) plus
+``TPU_DIST_COMPILE_ONLY=1``. That process hosts a c10d store for itself (every rank of the world
+would otherwise have to connect), runs the script, then compiles and reports through
+:mod:`tpu_dist.compile_job`.
+
+The launcher itself becomes that process when it can (:func:`_in_process_ok`): it has imported
+torch already, and a fresh interpreter (``python -u -m tpu_dist.launch._compile_only``) would
+import it again, about 2 CPU-s and 2 s of a run of about 10 (benchmarks/README.md, E47). It can
+when JAX is not imported yet, the job's interpreter is this one, ``TPU_DIST_LAUNCH_PRELOAD`` is
+not 0, and the job's environment differs from the launcher's only in variables read after
+start-up (:data:`_LATE_VARS`; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``, as
+an import would). Otherwise (for instance ``--default-for-cpu``, which ``import tpu_dist``
+reads) the fresh process runs it.
 
 Exit code: 0 when the script finished (exit 0) and every collective compiled; the script's own
 code when it failed; 1 when a collective did not compile or nothing was recorded; 2 for a bad
@@ -16,6 +25,7 @@ before the script runs: that message is then the only error).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -86,13 +96,65 @@ def run_compile_only(
     )
     entry = spec.entry
     mode = "module" if entry.kind == "module" else "python"
-    command = [entry.python, "-u", "-m", "tpu_dist.launch._compile_only"]
-    if report:
-        command += ["--report", os.path.abspath(report)]
+    args = ["--report", os.path.abspath(report)] if report else []
     if tensors == "real":
-        command += ["--real-tensors"]
-    command += [mode, entry.target, *entry.args]
-    return subprocess.call(command, env=env)
+        args += ["--real-tensors"]
+    args += [mode, entry.target, *entry.args]
+    if _in_process_ok(entry.python, env, environ):
+        _become_the_job(env)
+        return main(args)
+    return subprocess.call([entry.python, "-u", "-m", "tpu_dist.launch._compile_only", *args], env=env)
+
+
+_LATE_VARS = frozenset({
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "TORCHELASTIC_RESTART_COUNT", "TPU_DIST_COMPILE_ONLY", "ALLOW_MULTIPLE_LIBTPU_LOAD",
+    "JAX_ENABLE_COMPILATION_CACHE", "JAX_PLATFORMS", "OMP_NUM_THREADS", "GLIBC_TUNABLES",
+    _settings.TOPOLOGY.env, _settings.NUM_SLICES.env, _settings.PLATFORM.env,
+})
+"""What the compile-only job's environment may set differently from the launcher's for the
+launcher to run it itself: read after start-up (elastic's rank variables, tpu_dist's topology
+and platform, JAX's and libtpu's, read when JAX is first imported, after this), applied by
+hand (``OMP_NUM_THREADS``) or without effect here (``GLIBC_TUNABLES``, read only when a
+process starts, tunes the allocator for large real buffers: compile-only moves no data)."""
+
+
+def _in_process_ok(python: str, env: Mapping[str, str], environ: Mapping[str, str]) -> bool:
+    """Whether this launcher may run the compile-only job itself (module doc)."""
+    if "jax" in sys.modules or not _settings.LAUNCH_PRELOAD.get(environ):
+        return False
+    if os.path.realpath(python) != os.path.realpath(sys.executable):
+        return False
+    return not _early_vars_changed(env, os.environ)
+
+
+def _early_vars_changed(env: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
+    """The variables ``env`` sets differently from ``current`` (or unsets) that are not
+    :data:`_LATE_VARS`: any of them rules out running the job in this process."""
+    changed = {k for k in set(env) | set(current) if env.get(k) != current.get(k)}
+    return sorted(changed - _LATE_VARS)
+
+
+def _become_the_job(env: Mapping[str, str]) -> None:
+    """Make this process look like the fresh one :func:`run_compile_only` would start: its
+    environment, torch's thread count, ``-u``-like streams, and no launcher log handler."""
+    import logging
+
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(line_buffering=True)
+    launcher_log = logging.getLogger("tpu_dist.launch")
+    for handler in list(launcher_log.handlers):
+        launcher_log.removeHandler(handler)
+    launcher_log.setLevel(logging.NOTSET)
+    launcher_log.propagate = True
 
 
 # -- the compile-only process ---------------------------------------------------------------
@@ -130,6 +192,8 @@ def _run_script(mode: str, target: str, args: list[str]) -> int:
             return code
         print(code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C stops the whole run, not only the script
+        raise
     except BaseException:  # the script's own failure: show it as Python would, then report
         traceback.print_exc()
         return 1
