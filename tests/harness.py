@@ -819,7 +819,7 @@ _PRELOAD = [
 functional collectives import at their first call, and DTensor through them) and pytest (every
 worker imports its test module, which imports pytest). Each worker imported those itself
 before: about 1.6 CPU-s per worker of a DTensor or funcol module; six collective and DTensor
-modules took 234-241 CPU-s and 153-157 s without them, 165-171 CPU-s and 118-122 s with them
+modules took 235-241 CPU-s and 156-159 s without them, 165-171 CPU-s and 121-126 s with them
 (benchmarks/README.md, E47). None of them starts a thread."""
 
 

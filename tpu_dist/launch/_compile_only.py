@@ -103,12 +103,13 @@ def run_compile_only(
     if _in_process_ok(entry.python, env, environ):
         _become_the_job(env)
         return main(args)
-    return subprocess.call([entry.python, "-u", "-m", "tpu_dist.launch._compile_only", *args], env=env)
+    command = [entry.python, "-u", "-m", "tpu_dist.launch._compile_only", *args]
+    return subprocess.call(command, env=env)
 
 
 _LATE_VARS = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-    "TORCHELASTIC_RESTART_COUNT", "TPU_DIST_COMPILE_ONLY", "ALLOW_MULTIPLE_LIBTPU_LOAD",
+    "TORCHELASTIC_RESTART_COUNT", "ALLOW_MULTIPLE_LIBTPU_LOAD", _settings.COMPILE_ONLY.env,
     "JAX_ENABLE_COMPILATION_CACHE", "JAX_PLATFORMS", "OMP_NUM_THREADS", "GLIBC_TUNABLES",
     _settings.TOPOLOGY.env, _settings.NUM_SLICES.env, _settings.PLATFORM.env,
 })
