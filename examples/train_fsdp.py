@@ -223,7 +223,9 @@ def batch(
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, len(data) - seq_len - 1, (batch_size,), generator=g)
-    rows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+    # One gather, not a slice per sequence: 4,096 sequences at a pod's default batch were
+    # 4,096 ops a step, each through --compile-only's step meters.
+    rows = data[starts[:, None] + torch.arange(seq_len + 1)]
     return rows[:, :-1], rows[:, 1:]
 
 
