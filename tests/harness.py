@@ -106,6 +106,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn
 
+from tests.launch_worker import free_port
+
 __all__ = ["World", "WorldError", "close_all_worlds"]
 
 # Backends whose module must be imported in each worker to register them with torch.
@@ -298,7 +300,7 @@ class World:
         """Start one worker process per rank."""
         assert self._log_dir is not None
         ctx = _worker_context()
-        master_port = None if self.init else _free_port()
+        master_port = None if self.init else free_port()
         for rank in range(self.world_size):
             log_path = os.path.join(self._log_dir, f"gen{self._generation}_rank{rank}.log")
             open(log_path, "wb").close()
@@ -728,13 +730,6 @@ def _load_reply(data: bytes) -> tuple[Any, ...]:
         return pickle.loads(data)
     except Exception:
         return ("error", f"the rank's reply could not be unpickled:\n{traceback.format_exc()}")
-
-
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (below the ephemeral range)."""
-    from tests.launch_worker import free_port
-
-    return free_port()
 
 
 def _file_size(path: str) -> int:

@@ -165,7 +165,11 @@ def test_a_variable_read_at_start_up_needs_a_fresh_process() -> None:
     """The launcher's environment against the job's: the rank, topology, JAX and libtpu
     variables may differ (read after start-up); ``--default-for-cpu``'s variable, which
     ``import tpu_dist`` reads, or a variable the job lacks, may not."""
-    from tpu_dist.launch._compile_only import _early_vars_changed
+    from tpu_dist.launch._compile_only import _LATE_VARS
+    from tpu_dist.launch._zygote import early_differences
+
+    def _early_vars_changed(env: dict[str, str], launcher: dict[str, str]) -> list[str]:
+        return early_differences(env, launcher, _LATE_VARS)
 
     launcher = {"PATH": "/usr/bin", "OMP_NUM_THREADS": "4"}
     job = {**launcher, "RANK": "3", "WORLD_SIZE": "4", "TPU_DIST_TOPOLOGY": "v5p:2x2x1",

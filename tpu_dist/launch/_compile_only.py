@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from tpu_dist import _settings
 from tpu_dist.launch._config import LaunchSpec
 from tpu_dist.launch._env import compute_worker_env
+from tpu_dist.launch._zygote import early_differences
 
 __all__ = ["run_compile_only"]
 
@@ -126,14 +127,7 @@ def _in_process_ok(python: str, env: Mapping[str, str], environ: Mapping[str, st
         return False
     if os.path.realpath(python) != os.path.realpath(sys.executable):
         return False
-    return not _early_vars_changed(env, os.environ)
-
-
-def _early_vars_changed(env: Mapping[str, str], current: Mapping[str, str]) -> list[str]:
-    """The variables ``env`` sets differently from ``current`` (or unsets) that are not
-    :data:`_LATE_VARS`: any of them rules out running the job in this process."""
-    changed = {k for k in set(env) | set(current) if env.get(k) != current.get(k)}
-    return sorted(changed - _LATE_VARS)
+    return not early_differences(env, os.environ, _LATE_VARS)
 
 
 def _become_the_job(env: Mapping[str, str]) -> None:

@@ -55,7 +55,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "enabled"]
+__all__ = ["LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "early_differences", "enabled"]
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
 """What the zygote imports before it forks workers, in this order. numpy first: its BLAS starts
@@ -83,6 +83,15 @@ def _late_vars() -> frozenset[str]:
     from tpu_dist import _settings
 
     return LATE_VARS | {_settings.LAUNCH_ATTEMPT.env, _settings.COORDINATION_SERVICE.env}
+
+def early_differences(
+    env: Mapping[str, str], base: Mapping[str, str], late: frozenset[str]
+) -> list[str]:
+    """The variables ``env`` sets differently from ``base`` (or lacks), other than ``late``
+    (read only after a process starts): a process that imported its modules with ``base``
+    cannot become one started with ``env`` when any of them differ."""
+    return sorted(k for k in set(env) | set(base) if env.get(k) != base.get(k) and k not in late)
+
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
@@ -243,10 +252,7 @@ class Zygote:
             or os.path.abspath(args[2]) != worker
         ):
             return None
-        late = _late_vars()
-        differ = sorted(
-            k for k in set(env) | set(self.env) if env.get(k) != self.env.get(k) and k not in late
-        )
+        differ = early_differences(env, self.env, _late_vars())
         if differ:
             self.why_not = (
                 f"the worker's environment differs from the zygote's in {', '.join(differ)}"
