@@ -1,7 +1,7 @@
 """Workers forked from tpu-launch's zygote (``tpu_dist.launch._zygote``) are the workers a fresh
 interpreter would have been: the same environment, arguments, paths, streams, session, parent
-and signal dispositions, the same exit codes and signals as seen by the launcher; only torch
-and JAX are imported already.
+and signal dispositions, garbage collector, the same exit codes and signals as seen by the
+launcher; only torch and JAX are imported already (and their objects frozen, ``gc.freeze``).
 
 Each job runs twice, with the zygote (the default) and with ``TPU_DIST_LAUNCH_PRELOAD=0`` (every
 worker a fresh ``python -u _worker.py``, as before), and the two are compared. Timing is in
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Li
 
 _STATE = textwrap.dedent(
     """
-    import faulthandler, json, os, random, signal, sys
+    import faulthandler, gc, json, os, random, signal, sys
     import numpy
     main = sys.modules["__main__"]
     state = {
@@ -49,6 +49,7 @@ _STATE = textwrap.dedent(
                     for s in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGHUP")},
         "umask": os.umask(0o22),
         "faulthandler": faulthandler.is_enabled(),
+        "gc": [gc.isenabled(), gc.get_threshold()],  # the zygote's objects are frozen, not more
         "tpu_dist_modules": sorted(m for m in sys.modules if m.startswith("tpu_dist")),
         "torch_preloaded": "torch" in sys.modules,
         "draws": [random.random(), float(numpy.random.random())],
