@@ -52,6 +52,7 @@ _STATE = textwrap.dedent(
         "gc": [gc.isenabled(), gc.get_threshold()],  # the zygote's objects are frozen, not more
         "tpu_dist_modules": sorted(m for m in sys.modules if m.startswith("tpu_dist")),
         "torch_preloaded": "torch" in sys.modules,
+        "dtensor_preloaded": "torch.distributed.tensor" in sys.modules,  # not for this script
         "draws": [random.random(), float(numpy.random.random())],
     }
     with open(os.path.join(sys.argv[1], os.environ["LOCAL_RANK"] + ".json"), "w") as f:
@@ -108,6 +109,50 @@ def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
         assert forked[rank] == fresh[rank]
         assert forked[rank]["parent_is_launcher"] and forked[rank]["own_session"]
         assert forked[rank]["tpu_dist_modules"] == []  # nothing of tpu_dist before the script
+        assert forked[rank]["dtensor_preloaded"] is False  # it imports no DTensor API
+
+
+_DTENSOR_SCRIPT = """
+import sys
+preloaded = [m for m in ("torch.distributed.tensor", "torch._dynamo") if m in sys.modules]
+print("PRELOADED", ",".join(preloaded))
+if False:
+    from torch.distributed.fsdp import fully_shard  # read by the launcher, never run
+"""
+
+
+def test_a_script_that_imports_dtensor_finds_it_imported(tmp_path: Path) -> None:
+    """The zygote also imports DTensor and dynamo for a script whose source imports a DTensor
+    API (``_zygote.script_preload``): its forked workers start with them imported."""
+    script = tmp_path / "uses_fsdp.py"
+    script.write_text(_DTENSOR_SCRIPT)
+    code, stdout, stderr = run_launcher(["--nproc-per-node", "2", str(script)], timeout=240)
+    assert code == 0, stderr
+    for rank in (0, 1):
+        assert f"[rank{rank}]:PRELOADED torch.distributed.tensor,torch._dynamo" in stdout, stdout
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("import torch.distributed.tensor", True),
+    ("from torch.distributed.fsdp import fully_shard", True),
+    ("from torch.distributed import fsdp", True),
+    ("import torch.distributed.checkpoint as dcp", True),
+    ("def f():\n    from tpu_dist.dtensor_ext import to_jax", True),
+    ("from torch.distributed.tensor.parallel import parallelize_module", True),
+    ("import torch.distributed as dist\nimport torch.nn", False),
+    ("from torch.distributed import all_reduce", False),
+    ("import torch.distributed.tensorboard_like", False),  # a prefix of a name is not its module
+    ("# from torch.distributed.fsdp import fully_shard\nx = 'torch.distributed.tensor'", False),
+    ("from . import fsdp", False),  # relative: the script's own package
+    ("this is not Python (", False),
+])
+def test_script_preload_reads_the_scripts_imports(
+    tmp_path: Path, source: str, expected: bool
+) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(source + "\n")
+    assert _zygote.script_preload(str(script)) == (_zygote.DTENSOR_PRELOAD if expected else ())
+    assert _zygote.script_preload(str(tmp_path / "missing.py")) == ()
 
 
 def _zygote_env() -> dict[str, str]:

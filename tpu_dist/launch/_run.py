@@ -402,12 +402,14 @@ def _store_address(spec: LaunchSpec) -> tuple[str, int] | None:
 
 
 def _start_zygote(spec: LaunchSpec) -> _zygote.Zygote | None:
-    """This launch's zygote (:mod:`._zygote`), started with the workers' shared environment,
-    or None where workers start as fresh interpreters."""
+    """This launch's zygote (:mod:`._zygote`), started with the workers' shared environment
+    (and DTensor preloaded for a script that imports it, :func:`._zygote.script_preload`), or
+    None where workers start as fresh interpreters."""
     if spec.entry.kind not in ("python", "module") or not _zygote.enabled():
         return None
+    also = _zygote.script_preload(spec.entry.target) if spec.entry.kind == "python" else ()
     try:
-        return _zygote.Zygote(spec.entry.python, os.environ)
+        return _zygote.Zygote(spec.entry.python, os.environ, also)
     except OSError as err:
         logger.warning("tpu-launch: workers start without a zygote: %s", err)
         return None

@@ -5,8 +5,9 @@ Every worker of a job imports torch (1-2 s of CPU) and, at its first "tpu" group
 1 s): each pays it, in parallel, and on a host with fewer free cores than workers one after
 another. The launcher instead starts one *zygote* as soon as the workers' environment is
 known: a Python that imports :data:`PRELOAD` (torch, ``torch.distributed``, JAX; no backend,
-no thread) while the launcher itself meets the other hosts, and then forks every worker of
-every attempt. A worker forked from it is the process torch.distributed.elastic would have
+no thread), and :data:`DTENSOR_PRELOAD` too when the script imports a DTensor API
+(:func:`script_preload`), while the launcher itself meets the other hosts, and then forks every
+worker of every attempt. A worker forked from it is the process torch.distributed.elastic would have
 started with ``python -u _worker.py MODE TARGET ARGS``, with the same
 
 * environment (the whole of it, as elastic computed it: replaced after the fork), working
@@ -58,7 +59,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "early_differences", "enabled"]
+__all__ = [
+    "DTENSOR_PRELOAD", "LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "early_differences",
+    "enabled", "script_preload",
+]
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
 """What the zygote imports before it forks workers, in this order. numpy first: its BLAS starts
@@ -79,6 +83,47 @@ the worker starts (by ``init_process_group``, elastic's error handler), never wh
 :data:`PRELOAD` is imported; also tpu-launch's per-attempt ``TPU_DIST_LAUNCH_ATTEMPT`` and
 ``TPU_DIST_COORDINATION_SERVICE`` (read by tpu_dist's runtime). A worker whose environment
 differs in any other variable is not forked (:meth:`Zygote.spawn`)."""
+
+
+DTENSOR_PRELOAD = ("torch.distributed.tensor", "torch._dynamo")
+"""What the zygote also imports for a script that uses DTensor (:func:`script_preload`):
+DTensor, and ``torch._dynamo``, which torch's functional collectives (under DTensor, FSDP2 and
+TP) import at their first call. In each worker of such a job they cost ~2 CPU-s; imported once
+in the zygote instead, ``examples/train_fsdp.py --steps 2`` on 4 ranks took 6.6 s and 7.9 CPU-s
+instead of 9.4 s and 14.3 (benchmarks/README.md, E48). Other jobs do not import them: a plain
+all_reduce job would start ~0.6 s later with them."""
+
+_DTENSOR_USERS = (
+    "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed._composable",
+    "torch.distributed.checkpoint", "torch.distributed.pipelining",
+    "torch.distributed._functional_collectives", "torch._dynamo", "tpu_dist.dtensor_ext",
+)
+"""Modules (and their submodules) whose import by a script means it uses DTensor."""
+
+
+def script_preload(path: str) -> tuple[str, ...]:
+    """:data:`DTENSOR_PRELOAD` when the Python script at ``path`` imports (anywhere in the file:
+    ``import``/``from ... import`` statements, read with :mod:`ast`, not run) a module of
+    :data:`_DTENSOR_USERS` or a submodule of one, else ``()``. A script that cannot be read or
+    parsed gets ``()``: its workers still start, as they would have."""
+    import ast
+
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return ()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        else:
+            continue
+        for name in names:
+            if any(name == user or name.startswith(user + ".") for user in _DTENSOR_USERS):
+                return DTENSOR_PRELOAD
+    return ()
 
 
 def _late_vars() -> frozenset[str]:
@@ -206,14 +251,17 @@ class ForkedProcess:
 class Zygote:
     """The launcher's handle on its zygote (module doc): :meth:`spawn` forks a worker."""
 
-    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+    def __init__(self, python: str, env: Mapping[str, str], also: Sequence[str] = ()) -> None:
+        """Start the zygote with ``env``; it imports :data:`PRELOAD`, then ``also`` (module
+        names, e.g. :func:`script_preload`'s)."""
         self.python = python
         self.env = dict(env)
         """The environment the zygote imported :data:`PRELOAD` in."""
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
-                [python, "-u", os.path.abspath(__file__), str(theirs.fileno()), str(os.getpid())],
+                [python, "-u", os.path.abspath(__file__), str(theirs.fileno()), str(os.getpid()),
+                 ",".join(also)],
                 env=dict(env),
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
@@ -326,16 +374,16 @@ def _threads() -> int:
         return 1
 
 
-def _serve(fd: int, launcher: int) -> list[str]:
-    """The zygote: preload, then fork a worker per request. Returns only in a forked worker,
-    with the worker entry's arguments."""
+def _serve(fd: int, launcher: int, also: Sequence[str] = ()) -> list[str]:
+    """The zygote: preload (:data:`PRELOAD`, then ``also``), then fork a worker per request.
+    Returns only in a forked worker, with the worker entry's arguments."""
     sock = socket.socket(fileno=fd)
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != launcher:
         os._exit(0)
     loaded, why = [], None
     gc.disable()  # see _freeze
-    for name in PRELOAD:
+    for name in (*PRELOAD, *also):
         try:
             __import__(name)
             loaded.append(name)
@@ -511,6 +559,7 @@ if __name__ == "__main__":
     # the script's folder there, as in a fresh worker.
     sys.path[0] = os.devnull
     _entry = _load_worker_entry()
-    _argv = _serve(int(sys.argv[1]), int(sys.argv[2]))
+    _also = [name for name in (sys.argv[3] if len(sys.argv) > 3 else "").split(",") if name]
+    _argv = _serve(int(sys.argv[1]), int(sys.argv[2]), _also)
     sys.argv = [_entry.__file__, *_argv]
     _entry.main(_argv)
