@@ -148,10 +148,11 @@ DTensor and ``torch._dynamo`` too when the script's source imports a DTensor API
 DTensor, DCP), and forks every worker of every attempt from it (``tpu_dist.launch._zygote``). A
 forked worker is the launcher's own child, in its own session, with the environment, arguments,
 streams and exit codes of the fresh ``python -u`` worker it replaces; it starts in milliseconds
-instead of paying 1-3 s of imports (benchmarks/README.md E40, E48). Not for ``--no-python`` or ``--run-path`` workers,
-nor where a worker's environment differs from the zygote's in a variable read at import (such
-workers start fresh). ``TPU_DIST_LAUNCH_PRELOAD=0`` starts every worker as a fresh interpreter (and a
-``--compile-only`` job, which the launcher otherwise runs itself: ``._compile_only``).
+instead of paying 1-3 s of imports (benchmarks/README.md E40, E48). Not for ``--no-python`` or
+``--run-path`` workers, nor where a worker's environment differs from the zygote's in a variable
+read at import (such workers start fresh). ``TPU_DIST_LAUNCH_PRELOAD=0`` starts every worker as a
+fresh interpreter (and a ``--compile-only`` job, which the launcher otherwise runs itself:
+``._compile_only``).
 
 Output
 ======
