@@ -49,7 +49,7 @@ _STATE = textwrap.dedent(
                     for s in ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGHUP")},
         "umask": os.umask(0o22),
         "faulthandler": faulthandler.is_enabled(),
-        "gc": [gc.isenabled(), gc.get_threshold()],  # the zygote's objects are frozen, not more
+        "gc": [gc.isenabled(), gc.get_threshold()],  # on, as fresh (the preload only frozen)
         "tpu_dist_modules": sorted(m for m in sys.modules if m.startswith("tpu_dist")),
         "torch_preloaded": "torch" in sys.modules,
         "dtensor_preloaded": "torch.distributed.tensor" in sys.modules,  # not for this script

@@ -7,8 +7,8 @@ another. The launcher instead starts one *zygote* as soon as the workers' enviro
 known: a Python that imports :data:`PRELOAD` (torch, ``torch.distributed``, JAX; no backend,
 no thread), and :data:`DTENSOR_PRELOAD` too when the script imports a DTensor API
 (:func:`script_preload`), while the launcher itself meets the other hosts, and then forks every
-worker of every attempt. A worker forked from it is the process torch.distributed.elastic would have
-started with ``python -u _worker.py MODE TARGET ARGS``, with the same
+worker of every attempt. A worker forked from it is the process torch.distributed.elastic would
+have started with ``python -u _worker.py MODE TARGET ARGS``, with the same
 
 * environment (the whole of it, as elastic computed it: replaced after the fork), working
   directory, stdin/stdout/stderr (elastic's log files, or the launcher's own), argument vector
@@ -460,7 +460,7 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
         try:
             # The intermediate, read while it cannot exit yet (it waits for ready_w to close):
             # read after, it could be gone already, and the loop below would wait for a
-            # reparenting that had happened, 10 s (seen once in 5 jobs under load).
+            # reparenting that had happened, 10 s (2 jobs in 16; benchmarks/README.md, E48).
             parent = os.getppid()
             os.close(ready_r)
             os.close(pid_w)
