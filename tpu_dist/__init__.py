@@ -23,23 +23,19 @@ The layers, lowest first (each imports only those below it; ``tests/test_layers.
 
 from __future__ import annotations
 
-import gc as _gc
+import contextlib as _contextlib
 import sys as _sys
+
+from tpu_dist import _process
 
 # When this import is the one that imports torch (tpu-launch, ``python -m tpu_dist...``), the
 # cyclic collector is paused until it is done: the import creates ~170,000 objects, and the
 # collector would run about 360 times meanwhile (0.14-0.18 of the 1.7-2.2 CPU-s it costs;
 # benchmarks/README.md, E48). Nothing is left uncollected: it runs as usual afterwards.
-_paused = "torch" not in _sys.modules and _gc.isenabled()
-if _paused:
-    _gc.disable()
-try:
+with _process.gc_paused() if "torch" not in _sys.modules else _contextlib.nullcontext():
     from tpu_dist import _settings
     from tpu_dist.collectives import register_backend
-finally:
-    if _paused:
-        _gc.enable()
-del _gc, _sys, _paused
+del _contextlib, _sys
 
 __version__ = "0.1.0"
 

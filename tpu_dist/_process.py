@@ -18,8 +18,10 @@ layer may import it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -147,3 +149,19 @@ def first_time(key: str) -> bool:
             return False
         _said.add(key)
         return True
+
+
+# -- the cyclic garbage collector ----------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if on) for the block; restore it after. It is the
+    process's: other threads' allocations are not collected meanwhile either."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

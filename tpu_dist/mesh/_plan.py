@@ -48,15 +48,14 @@ plan in well under a second. Plans are cached per (slice grid, mesh shape).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import gc
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
+from tpu_dist import _process
 from tpu_dist.mesh._generations import format_shape, subset_products
 from tpu_dist.mesh._topology import Topology
 
@@ -194,7 +193,7 @@ def _plan_slice(
     pad = (0,) * (3 - len(shape))
     # Thousands of small objects: a burst like this can set off a full garbage collection,
     # which costs ~0.5 s in a process holding torch and JAX; planning itself takes ~30 ms.
-    with _gc_paused():
+    with _process.gc_paused():
         devices = [
             _MockTpuDevice(i, tuple(row[:-1]) + pad, row[-1], kind)
             for i, row in enumerate(idx.tolist())
@@ -214,18 +213,6 @@ def _plan_slice(
         raise RuntimeError(f"internal error: the plan for {ici} lost or repeated a device")
     positions.setflags(write=False)
     return positions
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector (if on) for the block; restore it after."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def _snake_axes(positions: np.ndarray, phys: tuple[int, ...]) -> np.ndarray:
