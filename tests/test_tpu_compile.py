@@ -284,16 +284,19 @@ def test_whole_512_device_tpu7x_slice_compiles(op: str) -> None:
 
 
 def test_compiler_options_come_from_the_generation() -> None:
-    # TPU7x programs get the generation's options; other TPUs and the CPU get none.
+    # TPU7x programs get the generation's options; other TPUs and the CPU get none, however
+    # small the program (small CPU programs' own options: tests/test_compile_options.py).
+    small = ProgramKey("allreduce", (0, 1), ((4, "float32"),), ("SUM", None))
     tpu7x = _tpu7x("4x4x4")
-    assert _lowering.compiler_options(tpu7x[:2]) == {
-        "xla_tpu_enable_sparse_core_collective_offload_all_reduce": False
-    }
+    for key in (None, small):
+        assert _lowering.compiler_options(tpu7x[:2], key) == {
+            "xla_tpu_enable_sparse_core_collective_offload_all_reduce": False
+        }
     assert dict(get_generation("v7x").collective_compiler_options) == (
         _lowering.compiler_options(tpu7x)
     )
     v5p = topology_devices(Topology.create("v5p", "2x2x1"))
-    assert _lowering.compiler_options(v5p) == {}
+    assert _lowering.compiler_options(v5p) == {} == _lowering.compiler_options(v5p[:2], small)
     import jax
 
     assert _lowering.compiler_options(jax.devices("cpu")) == {}

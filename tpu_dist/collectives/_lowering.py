@@ -47,7 +47,8 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -267,7 +268,7 @@ class ProgramCache:
         lowered = lower(key, devices, self.mesh_for(devices, key.groups))
         with _jaxlib.x64_scope(), _compile_cache.watch_compile() as watch:
             try:
-                compiled = compile_lowered(lowered, devices)
+                compiled = compile_lowered(lowered, devices, key)
             except Exception as err:
                 hint = part_of_slice_hint(key, str(err))
                 if hint is None:
@@ -314,23 +315,64 @@ def part_of_slice_hint(key: ProgramKey, message: str) -> str | None:
     )
 
 
-def compiler_options(devices: Sequence[jax.Device]) -> dict[str, bool | int | str]:
-    """The compiler options a program over ``devices`` is compiled with: those of their TPU
-    generation (``tpu_dist.mesh.Generation.collective_compiler_options``; TPU7x: no SparseCore
-    offload of all-reduces, which libtpu 0.0.52 fails on whole-slice programs), else none
-    (CPU, and TPU generations that need none or that ``tpu_dist.mesh`` does not know)."""
-    if not devices or devices[0].platform != "tpu":
+FAST_COMPILE_MAX_BYTES = 16 * 1024
+"""On CPU, a program whose blocks hold at most this many bytes times the group size (what its
+largest local step can touch: an exchange or gather makes ``group size`` rows of a block) is
+compiled for a short compilation (:data:`CPU_FAST_COMPILE_OPTIONS`), not for fast code."""
+
+CPU_FAST_COMPILE_OPTIONS: Mapping[str, bool | int | str] = types.MappingProxyType({
+    "xla_cpu_use_fusion_emitters": False,
+    "xla_backend_optimization_level": 0,
+    "xla_cpu_parallel_codegen_split_count": 1,
+})
+"""XLA:CPU options for small programs (:data:`FAST_COMPILE_MAX_BYTES`). Most of a collective
+program's compilation is generating code for its few local steps (the slices, concatenations
+and reductions around the exchange): 20-30 ms each with XLA's default fusion emitters and LLVM
+at its default level. With XLA's older fusion code generator, no LLVM optimization and one
+code-generation module, the programs compile 2-5x faster (an exchange all-reduce over 2 CPU
+devices: 104 -> 20 ms) and, this small, run about as fast (4 KB a rank on 2 devices: within
+0-10 us of a call of 40-110 us in one process, where a call between processes takes ~300 us);
+from 16 KB a rank the unoptimized code costs up to 2x more a call, so larger programs keep
+XLA's defaults (``benchmarks/compile_options.py``, benchmarks/README.md E49). Every rank
+compiles a program with the same options (they follow from its key), so all ranks run the
+same code, and the results are the same bits as with XLA's defaults (XLA:CPU reassociates
+nothing either way: it does not enable fast math)."""
+
+
+def _block_bytes(key: ProgramKey) -> int:
+    return sum(length * jnp.dtype(dtype).itemsize for length, dtype in key.blocks)
+
+
+def compiler_options(
+    devices: Sequence[jax.Device], key: ProgramKey | None = None
+) -> dict[str, bool | int | str]:
+    """The compiler options a program over ``devices`` is compiled with.
+
+    TPU: those of the devices' generation (``tpu_dist.mesh.Generation.
+    collective_compiler_options``; TPU7x: no SparseCore offload of all-reduces, which libtpu
+    0.0.52 fails on whole-slice programs), none for generations that need none or that
+    ``tpu_dist.mesh`` does not know. CPU: :data:`CPU_FAST_COMPILE_OPTIONS` for ``key``'s
+    program when it is small (:data:`FAST_COMPILE_MAX_BYTES`), else none (XLA's defaults; also
+    without a ``key``)."""
+    if not devices:
+        return {}
+    platform = devices[0].platform
+    if platform == "cpu":
+        if key is not None and _block_bytes(key) * key.group_size <= FAST_COMPILE_MAX_BYTES:
+            return dict(CPU_FAST_COMPILE_OPTIONS)
+        return {}
+    if platform != "tpu":
         return {}
     generation = generation_of_device_kind(devices[0].device_kind)
     return dict(generation.collective_compiler_options) if generation is not None else {}
 
 
 def compile_lowered(
-    lowered: jax.stages.Lowered, devices: Sequence[jax.Device]
+    lowered: jax.stages.Lowered, devices: Sequence[jax.Device], key: ProgramKey | None = None
 ) -> jax.stages.Compiled:
-    """``lowered.compile()`` with the :func:`compiler_options` of ``devices`` (none: the call
-    without options, as JAX's own)."""
-    options = compiler_options(devices)
+    """``lowered.compile()`` with the :func:`compiler_options` of ``devices`` and ``key`` (none:
+    the call without options, as JAX's own)."""
+    options = compiler_options(devices, key)
     return lowered.compile(compiler_options=options) if options else lowered.compile()
 
 

@@ -300,7 +300,7 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
         key = dataclasses.replace(key, algorithm=algorithm)
     lowered = _lowering.lower(key, devices)
     with _jaxlib.x64_scope(), _jaxlib.uncached():
-        compiled = _lowering.compile_lowered(lowered, devices)
+        compiled = _lowering.compile_lowered(lowered, devices, key)
     text = compiled.as_text()
     try:
         temp = int(compiled.memory_analysis().temp_size_in_bytes)
