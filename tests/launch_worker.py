@@ -319,28 +319,49 @@ def clean_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+_HANDED_OUT: set[int] = set()
+"""Ports :func:`free_port` returned in this process: never returned twice."""
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 nobody listens on right now, below the kernel's ephemeral range.
+    """A TCP port on 127.0.0.1 nobody listens on right now, below the kernel's ephemeral range,
+    never returned before in this process, and from this pytest-xdist worker's own share of
+    those ports.
 
     A port the kernel picks (bind to port 0) comes from that range, from which every outgoing
     connection and every port-0 listener of the tests running beside this one also draw: one
     took it in the seconds before a launcher bound it (node 0 of a two-host test then stopped
     at its pre-flight check, "the master port ... is in use", and node 1 waited for it until the
-    test's timeout). Below the range only ports picked this way are bound."""
+    test's timeout). Below the range only ports picked here are bound; but a port is free when
+    it is picked and bound only seconds later, so two tests running at once (the two workers
+    of ``pytest -n 2``, or the launches of one module's fixture) could pick the same one (a
+    rank's store then failed with EADDRINUSE): so each worker draws from its own share of the
+    range (``PYTEST_XDIST_WORKER`` of ``PYTEST_XDIST_WORKER_COUNT``), and each process hands a
+    port out once."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
             low = int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
+    ports = range(max(1024, low - 12000), low)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        share = len(ports) // int(count)
+        start = ports.start + int(worker[2:]) % int(count) * share
+        ports = range(start, start + share)
     rng = random.SystemRandom()
-    for _ in range(100):
-        port = rng.randrange(max(1024, low - 12000), low)
+    for _ in range(200):
+        port = rng.choice(ports)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

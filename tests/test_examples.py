@@ -2,13 +2,13 @@
 
 The launches (a few steps each, to keep the suite short):
 
-1. ``tpu-launch examples/train_fsdp.py --steps 4 --save-every 2`` (4 ranks): FSDP2 training that
+1. ``tpu-launch examples/train_fsdp.py --steps 4 --save-every 2`` (2 ranks): FSDP2 training that
    saves DCP checkpoints ``step-2`` and ``step-4``. The test deletes ``step-4``, as if the job had
    died after step 2, and
-2. ``torchrun examples/train_fsdp.py --steps 4 --resume`` (4 ranks) continues from ``step-2``:
+2. ``torchrun examples/train_fsdp.py --steps 4 --resume`` (2 ranks) continues from ``step-2``:
    its steps 3 and 4 must print exactly the losses of the uninterrupted run.
-3. The same resume again (2 ranks): nothing is left to train; it says so and reports step 4's
-   loss, never ``nan``.
+3. The same resume again on 4 ranks (the 2 ranks' shards resharded on load): nothing is left to
+   train; it says so and reports step 4's loss, never ``nan``.
 4. ``--backend gloo --steps 2`` into the same directory (2 ranks): gloo's losses match one
    process, and saving step 2 below the earlier ``step-4`` warns; 3 (on a copy of the
    directory) and 4 start together.
@@ -89,16 +89,16 @@ def _final(line: str) -> tuple[float, int]:
 def test_train_fsdp_checkpoint_and_resume(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     whole, last = _launch("tpu-launch", "train_fsdp.py", "--steps", "4", "--checkpoint-dir", str(ckpt),
-                          "--save-every", "2")
+                          "--save-every", "2", nproc=2)
     assert sorted(whole) == [1, 2, 3, 4] and _final(last) == (whole[4], 4)
-    want = _single_process_losses(4, dp=4)
+    want = _single_process_losses(4, dp=2)
     for step, loss in whole.items():
         assert loss == pytest.approx(want[step], rel=1e-4), step
     assert whole[4] < whole[1]
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-2", "step-4"]
     shutil.rmtree(ckpt / "step-4")  # the job "died" after saving step 2
     resumed, last = _launch("torchrun", "train_fsdp.py", "--steps", "4", "--checkpoint-dir", str(ckpt),
-                            "--resume")
+                            "--resume", nproc=2)
     assert resumed == {3: whole[3], 4: whole[4]}  # bit for bit, as printed
     assert _final(last) == (whole[4], 4)
 
@@ -108,14 +108,15 @@ def test_train_fsdp_checkpoint_and_resume(tmp_path: Path) -> None:
     shutil.copytree(ckpt, again)
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         resume_again = pool.submit(_run, "tpu-launch", "train_fsdp.py", "--steps", "4", "--checkpoint-dir",
-                                   str(again), "--resume", nproc=2)
+                                   str(again), "--resume", nproc=4)
         on_gloo = pool.submit(_run, "torchrun", "train_fsdp.py", "--steps", "2", "--checkpoint-dir", str(ckpt),
                               "--backend", "gloo", nproc=2)
         proc = resume_again.result()
         gloo_proc = on_gloo.result()
 
-    # The same resume again: step-4 is saved, nothing is left to train. It says so and reports
-    # step 4's loss as the final one (the old code printed "final loss nan after 4 steps").
+    # The same resume again, on 4 ranks (the 2 ranks' shards resharded on load): step-4 is
+    # saved, nothing is left to train. It says so and reports step 4's loss as the final one
+    # (the old code printed "final loss nan after 4 steps").
     assert not _STEP.search(proc.stdout), proc.stdout
     assert "nothing left to train: the checkpoint is at step 4 and --steps is 4" in proc.stdout
     assert _final(proc.stdout.strip().splitlines()[-1]) == (whole[4], 4)
@@ -125,7 +126,6 @@ def test_train_fsdp_checkpoint_and_resume(tmp_path: Path) -> None:
     proc = gloo_proc
     assert "FSDP2 on 2 ranks (gloo)" in proc.stdout  # dist.get_backend(), not the flag echoed
     gloo = {int(m.group(1)): float(m.group(2)) for m in _STEP.finditer(proc.stdout)}
-    want = _single_process_losses(2, dp=2)
     assert sorted(gloo) == [1, 2] and _final(proc.stdout.strip().splitlines()[-1]) == (gloo[2], 2)
     for step, loss in gloo.items():
         assert loss == pytest.approx(want[step], rel=1e-4), step

@@ -5,9 +5,10 @@ the job ("stopped, no heartbeat for 10 s") and then died of SIGABRT itself when 
 gloo, a stopped or silent rank now gets the group's timeout; only a dead process on this host
 counts as gone early (``tests/test_reliability.py``: ``test_dead_peer_fails_survivors_naming_it``).
 
-Each body runs on a 2-rank "tpu" world and a 2-rank gloo world, side by side: the paused rank
-stops itself (SIGSTOP) and a child process resumes it (SIGCONT) ``PAUSE_S`` seconds later,
-while its peer is in a collective with it; both must complete it with the right result.
+Each body runs on a 2-rank "tpu" world and a 2-rank gloo world, side by side (at once, each
+world driven from a thread of its own: the test is mostly waiting): the paused rank stops
+itself (SIGSTOP) and a child process resumes it (SIGCONT) ``PAUSE_S`` seconds later, while its
+peer is in a collective with it; both must complete it with the right result.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -28,15 +30,17 @@ from tests.harness import World
 HEARTBEAT_S = 1
 """``TPU_DIST_HEARTBEAT_TIMEOUT`` of the "tpu" worlds: the pause lasts several times as long
 (before the fix, the peer ended the job one to two heartbeat timeouts into the pause)."""
-PAUSE_S = 4
+PAUSE_S = 3
 GROUP_TIMEOUT_S = 90
 """The group's timeout, far longer than the pause."""
 
 
-@pytest.fixture(params=["tpu", "gloo"])
-def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World:
+BACKENDS = ("tpu", "gloo")
+
+
+def _world(worlds: Callable[..., World], backend: str) -> World:
     return worlds(
-        2, backend=request.param, timeout=150,
+        2, backend=backend, timeout=150,
         env={"TPU_DIST_HEARTBEAT_TIMEOUT": str(HEARTBEAT_S), "TPU_DIST_PLATFORM": "cpu"},
         init_kwargs={"timeout": datetime.timedelta(seconds=GROUP_TIMEOUT_S)},
     )
@@ -79,9 +83,16 @@ def _pause_in_collective(
 
 
 @pytest.mark.parametrize(("paused", "when"), [(1, "before"), (1, "during"), (0, "before")])
-def test_a_paused_rank_is_waited_for(world: World, paused: int, when: str) -> None:
-    results = world.run(_pause_in_collective, paused, when, PAUSE_S)
-    for rank, (first, second, took) in enumerate(results):
-        assert first == [3.0] and second == [30.0], (rank, results)
-    # The peer really waited through the pause (the test tests something).
-    assert results[1 - paused][2] >= PAUSE_S - 1, results
+def test_a_paused_rank_is_waited_for(
+    worlds: Callable[..., World], paused: int, when: str
+) -> None:
+    each = {backend: _world(worlds, backend) for backend in BACKENDS}
+    with ThreadPoolExecutor(len(each)) as pool:
+        running = {backend: pool.submit(world.run, _pause_in_collective, paused, when, PAUSE_S)
+                   for backend, world in each.items()}
+        outcomes = {backend: future.result() for backend, future in running.items()}
+    for backend, results in outcomes.items():
+        for rank, (first, second, took) in enumerate(results):
+            assert first == [3.0] and second == [30.0], (backend, rank, results)
+        # The peer really waited through the pause (the test tests something).
+        assert results[1 - paused][2] >= PAUSE_S - 1, (backend, results)
