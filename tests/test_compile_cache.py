@@ -12,12 +12,9 @@ not found`` when it ran it).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import torch.distributed as dist
 import pytest
 
 from tpu_dist import _settings
+from tests.fresh_process import script_result
 from tests.harness import World
 from tpu_dist.collectives import _compile_cache
 
@@ -275,11 +273,7 @@ def test_every_field_of_the_program_key_names_its_own_entry() -> None:
     devices here: [3, 1] finds [0, 1]'s entry, loaded onto its own devices)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    proc = subprocess.run([sys.executable, "-c", _NAMES], env=env, capture_output=True,
-                          text=True, timeout=120)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = script_result(_NAMES, env=env, timeout=120)
     names = out["names"]
     assert len(names) == 7 and len(set(names)) == 7, names
     assert out["other_devices"] == names[:1]

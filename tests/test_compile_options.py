@@ -10,13 +10,11 @@ the outputs must be the same bits, and the fast options must be the ones chosen.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
+from tests.fresh_process import script_result
 from tpu_dist.collectives import ProgramKey
 from tpu_dist.collectives._lowering import (
     CPU_FAST_COMPILE_OPTIONS,
@@ -104,11 +102,7 @@ def test_fast_compiled_programs_give_the_same_bits_as_xlas_defaults() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TPU_DIST_COMPILE_CACHE": "0"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=180)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    results = json.loads(lines[-1][len("RESULT"):])
+    results = script_result(_SCRIPT, env=env, timeout=180)
     assert len(results) == 12
     for row in results:
         assert row["fast"] == CPU_FAST_COMPILE_OPTIONS, row

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fresh_process import script_result
 from tests.harness import World
 from tpu_dist.collectives import _compile_cache, flight_recorder
 
@@ -378,11 +379,8 @@ def test_dump_that_fails_to_write_leaves_nothing_behind(tmp_path: Path) -> None:
     # second, bigger record cannot be written. The first stays; no temporary file is left.
     directory = tmp_path / "records"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", _FULL_DISK, str(directory)], env=env,
-                          capture_output=True, text=True, timeout=180)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    assert json.loads(lines[-1][len("RESULT"):])["errno"] == 27  # EFBIG: File too large
+    result = script_result(_FULL_DISK, str(directory), env=env, timeout=180)
+    assert result["errno"] == 27  # EFBIG: File too large
     assert _files(directory) == ["tpu_dist_fr_rank0.json"]
     assert len(json.loads((directory / "tpu_dist_fr_rank0.json").read_text())["entries"]) == 1
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.fresh_process import script_result
 from tests.harness import World
 from tpu_dist.collectives import ProgramKey
 from tpu_dist.collectives._compile_cache import placement_key
@@ -212,11 +211,7 @@ def test_reused_code_is_a_fresh_compile_and_without_private_calls_each_group_com
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TPU_DIST_COMPILE_CACHE": "0"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    proc = subprocess.run([sys.executable, "-c", _FALLBACK], env=env, capture_output=True,
-                          text=True, timeout=120)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT"):])
+    out = script_result(_FALLBACK, env=env, timeout=120)
 
     def rooted(ids: list[int]) -> list[list[int]]:  # every device gets the root's block
         return [(np.arange(4) + 10 * ids[0]).tolist()] * len(ids)
