@@ -100,7 +100,7 @@ def test_rank_that_exits_early_is_the_root_cause_with_its_code(faults: dict, bac
 def test_caught_timeout_then_exit_keeps_the_exit_code(faults: dict, backend: str) -> None:
     code, out, err = faults[f"timeout-exit-{backend}"]
     assert code == 1, err
-    assert "CAUGHT rank=0" in out + err
+    assert "CAUGHT rank=0" in out + err, f"stdout:\n{out}\nstderr:\n{err}"
     assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
     assert "exited with code 3" in err, err
 

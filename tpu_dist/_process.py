@@ -155,13 +155,19 @@ def first_time(key: str) -> bool:
 
 
 @contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
+def gc_paused(freeze: bool = False) -> Iterator[None]:
     """Pause the cyclic garbage collector (if on) for the block; restore it after. It is the
-    process's: other threads' allocations are not collected meanwhile either."""
+    process's: other threads' allocations are not collected meanwhile either.
+
+    With ``freeze``, every object the process holds when the block ends goes to the
+    collector's permanent generation first (:func:`gc.freeze`), where no collection scans it
+    again: for a block that imports modules whose objects live as long as the process."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
+        if freeze:
+            gc.freeze()
         if was_enabled:
             gc.enable()
