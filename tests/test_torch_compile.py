@@ -14,7 +14,6 @@ graph, so the bodies are small and each compiles once.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 
@@ -26,20 +25,6 @@ BACKENDS = ("tpu", "gloo")
 def _world(worlds: Callable[..., World], backend: str) -> World:
     env = {"TPU_DIST_PLATFORM": "cpu", "OMP_NUM_THREADS": "1"} if backend == "tpu" else {"OMP_NUM_THREADS": "1"}
     return worlds(2, backend, env=env, timeout=240.0)
-
-
-def _compile(fn: Callable, **kwargs: Any) -> Callable:
-    """``torch.compile(fn, **kwargs)``, with inductor compiling its C++ kernels in this rank
-    (``compile_threads = 1``) instead of in a pool of compile processes that each rank starts
-    (a fresh interpreter importing torch, and its forks): the module took 42 s and 50 CPU-s
-    with the pools, 35 s and 44 CPU-s without (benchmarks/README.md, E50). Set here, not by
-    ``TORCHINDUCTOR_COMPILE_THREADS``: the worlds' forkserver imported inductor's config (and
-    read the variable) before any rank's environment was applied."""
-    import torch
-    import torch._inductor.config
-
-    torch._inductor.config.compile_threads = 1
-    return torch.compile(fn, **kwargs)
 
 
 def _funcol_compiled(rank: int, world_size: int) -> dict:
@@ -54,7 +39,7 @@ def _funcol_compiled(rank: int, world_size: int) -> dict:
         gathered = funcol.all_gather_tensor(summed + rank, 0, group)
         return gathered * 3, summed.sum()
 
-    compiled = _compile(step, fullgraph=True)
+    compiled = torch.compile(step, fullgraph=True)
     x = torch.arange(6, dtype=torch.float32).reshape(2, 3) + 10 * rank
     gathered, total = compiled(x)
     return {"gathered": gathered.tolist(), "total": total.item()}
@@ -86,7 +71,7 @@ def _fsdp2_compiled(rank: int, world_size: int) -> dict:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    compiled = _compile(model)
+    compiled = torch.compile(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     g = torch.Generator().manual_seed(100 + rank)  # one batch per rank, fitted three times
