@@ -33,7 +33,8 @@ Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the gr
 * ``rank0-dies``: after one all_reduce, rank 0 sleeps ``--delay`` s and ends with
   ``os._exit(--exit-code)`` (no Python teardown, as a crash); the others wait in an all_reduce
   it never joins, catch its error and print ``CAUGHT rank=R <error type>``. A SIGTERM (the
-  launcher stopping them once rank 0 failed) is held until then, as a program that saves a
+  launcher stopping them once rank 0 failed) is held (from before the group is created) until
+  then, as a program that saves a
   checkpoint in its handler would, so the test does not race the launcher's poll. With
   ``--kill`` rank 0 ends by SIGKILL instead (as the OOM killer would); with
   ``--caught-exit-code`` the others exit with that code right after ``CAUGHT``.
@@ -151,14 +152,19 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
             print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
             sys.exit(args.exit_code)
     elif args.mode == "rank0-dies":
+        # The others hold SIGTERM from before the group exists: rank 0 dies only after _init's
+        # all_reduce, which waits for them. Held from after _init instead, a rank descheduled
+        # for rank 0's delay between its READY line and the handler was stopped by the
+        # launcher before it could catch anything (seen once in a CI run on a busy machine).
+        terms: list[int] = []
+        if rank != 0:
+            signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
         torch, dist = _init(args.backend)
         if rank == 0:
             time.sleep(args.delay)
             if args.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(args.exit_code)
-        terms: list[int] = []
-        signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
         try:
             dist.all_reduce(torch.ones(4))
         except Exception as err:  # gloo's connection error; DistBackendError on "tpu"
