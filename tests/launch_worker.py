@@ -34,10 +34,9 @@ Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the gr
   ``os._exit(--exit-code)`` (no Python teardown, as a crash); the others wait in an all_reduce
   it never joins, catch its error and print ``CAUGHT rank=R <error type>``. A SIGTERM (the
   launcher stopping them once rank 0 failed) is held (from before the group is created) until
-  then, as a program that saves a
-  checkpoint in its handler would, so the test does not race the launcher's poll. With
-  ``--kill`` rank 0 ends by SIGKILL instead (as the OOM killer would); with
-  ``--caught-exit-code`` the others exit with that code right after ``CAUGHT``.
+  then, as a program that saves a checkpoint in its handler would, so the test does not race
+  the launcher's poll. With ``--kill`` rank 0 ends by SIGKILL instead (as the OOM killer
+  would); with ``--caught-exit-code`` the others exit with that code right after ``CAUGHT``.
 * ``loop``: all_reduce in a loop until killed (for the Ctrl-C test); writes pids to ``--pid-dir``.
 * ``stall``: rank ``--fail-rank`` sleeps ``--sleep`` s while the others wait in a barrier (for
   the Ctrl-C test); writes pids to ``--pid-dir``.

@@ -433,7 +433,7 @@ def _freeze() -> None:
     fresh worker: a reference cycle among those objects that becomes garbage in the worker is
     never freed (none of torch's or JAX's module state becomes garbage while in use), nor are
     the ~7,400 objects the imports left as garbage: the collection that freed them scanned all
-    ~360,000, 0.17 s of every launch's start-up (4-rank ``examples/collectives_tour.py``, four
+    the others too, 0.17 s of every launch's start-up (4-rank ``examples/collectives_tour.py``, four
     alternating pairs, median 4.88 -> 4.64 s and 5.69 -> 5.50 CPU-s: E50). Never written to,
     their pages stay shared with the zygote."""
     gc.freeze()
