@@ -151,10 +151,10 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
             print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
             sys.exit(args.exit_code)
     elif args.mode == "rank0-dies":
-        # The others hold SIGTERM from before the group exists: rank 0 dies only after _init's
-        # all_reduce, which waits for them. Held from after _init instead, a rank descheduled
-        # for rank 0's delay between its READY line and the handler was stopped by the
-        # launcher before it could catch anything (seen once in a CI run on a busy machine).
+        # The others hold SIGTERM from before the group exists (rank 0 dies only after _init's
+        # all_reduce, which waits for them), so no stop by the launcher can come before the
+        # handler. Twice in a busy CI run rank 1 was nevertheless stopped by SIGTERM without a
+        # CAUGHT line on gloo (benchmarks/README.md, E50): what it printed instead says why.
         terms: list[int] = []
         if rank != 0:
             signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))
@@ -170,6 +170,9 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
             print(f"CAUGHT rank={rank} {type(err).__name__} t={time.time():.2f}", flush=True)
             if args.caught_exit_code is not None:
                 sys.exit(args.caught_exit_code)
+        else:
+            print(f"RETURNED rank={rank} (the all_reduce rank 0 never joined) "
+                  f"t={time.time():.2f} sigterm={bool(terms)}", flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if terms:
             os.kill(os.getpid(), signal.SIGTERM)

@@ -421,8 +421,9 @@ def _serve(fd: int, launcher: int, also: Sequence[str] = ()) -> list[str]:
 
 
 def _freeze() -> None:
-    """After the preload (imported with the collector off): move every object to the
-    collector's permanent generation (``gc.freeze``) and turn the collector back on.
+    """After the preload (imported with the collector off): collect its garbage once, move
+    every object left to the collector's permanent generation (``gc.freeze``) and turn the
+    collector back on.
 
     numpy, torch, ``torch.distributed`` and JAX leave ~230,000 objects. A fresh interpreter's
     collector runs about 500 times while importing them (0.36-0.40 of the ~2.5 CPU-s), and
@@ -431,11 +432,8 @@ def _freeze() -> None:
     no worker's collector scans them (with the launcher's own import also collector-free, a
     4-rank job took 6.7 CPU-s instead of 8.7: benchmarks/README.md, E48). What differs from a
     fresh worker: a reference cycle among those objects that becomes garbage in the worker is
-    never freed (none of torch's or JAX's module state becomes garbage while in use), nor are
-    the ~7,400 objects the imports left as garbage: the collection that freed them scanned all
-    the others too, 0.17 s of every launch's start-up (4-rank ``examples/collectives_tour.py``, four
-    alternating pairs, median 4.88 -> 4.64 s and 5.69 -> 5.50 CPU-s: E50). Never written to,
-    their pages stay shared with the zygote."""
+    never freed (none of torch's or JAX's module state becomes garbage while in use)."""
+    gc.collect()
     gc.freeze()
     gc.enable()
 
