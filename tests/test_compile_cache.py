@@ -24,11 +24,10 @@ import torch.distributed as dist
 import pytest
 
 from tpu_dist import _settings
-from tests.fresh_process import script_result
+from tests.fresh_process import cpu_devices_env, script_result
 from tests.harness import World
 from tpu_dist.collectives import _compile_cache
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # -- tier (a): the directory ---------------------------------------------------------------
 
@@ -271,9 +270,7 @@ def test_every_field_of_the_program_key_names_its_own_entry() -> None:
     group's size must never share a cache
     entry; on CPU, groups of the same size and layout on other devices do (one process's
     devices here: [3, 1] finds [0, 1]'s entry, loaded onto its own devices)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    out = script_result(_NAMES, env=env, timeout=120)
+    out = script_result(_NAMES, env=cpu_devices_env(4), timeout=120)
     names = out["names"]
     assert len(names) == 7 and len(set(names)) == 7, names
     assert out["other_devices"] == names[:1]

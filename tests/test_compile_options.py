@@ -10,11 +10,9 @@ the outputs must be the same bits, and the fast options must be the ones chosen.
 
 from __future__ import annotations
 
-import os
 import textwrap
-from pathlib import Path
 
-from tests.fresh_process import script_result
+from tests.fresh_process import cpu_devices_env, script_result
 from tpu_dist.collectives import ProgramKey
 from tpu_dist.collectives._lowering import (
     CPU_FAST_COMPILE_OPTIONS,
@@ -22,7 +20,6 @@ from tpu_dist.collectives._lowering import (
     compiler_options,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _Cpu:  # what compiler_options reads of a jax.Device
@@ -99,9 +96,7 @@ _SCRIPT = textwrap.dedent(
 
 
 def test_fast_compiled_programs_give_the_same_bits_as_xlas_defaults() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TPU_DIST_COMPILE_CACHE": "0"}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env = cpu_devices_env(4, caches=False)
     results = script_result(_SCRIPT, env=env, timeout=180)
     assert len(results) == 12
     for row in results:

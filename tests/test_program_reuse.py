@@ -18,19 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.fresh_process import script_result
+from tests.fresh_process import cpu_devices_env, script_result
 from tests.harness import World
 from tpu_dist.collectives import ProgramKey
 from tpu_dist.collectives._compile_cache import placement_key
 
-ROOT = Path(__file__).resolve().parents[1]
 
 # Groups of 2 of a 3-rank world, in creation order; group rank i is global rank ranks[i].
 _GROUPS = [[0, 1], [0, 2], [1, 2], [1, 0], [2, 0]]
@@ -208,9 +206,7 @@ _FALLBACK = textwrap.dedent(
 
 
 def test_reused_code_is_a_fresh_compile_and_without_private_calls_each_group_compiles() -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "TPU_DIST_COMPILE_CACHE": "0"}
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    env = cpu_devices_env(4, caches=False)
     out = script_result(_FALLBACK, env=env, timeout=120)
 
     def rooted(ids: list[int]) -> list[list[int]]:  # every device gets the root's block
