@@ -38,6 +38,7 @@ through unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,11 +201,17 @@ def _record_and_exit(exc: BaseException) -> None:
                 "extraInfo": {"py_callstack": text, "timestamp": str(int(time.time()))},
             }
         }
+        # Written whole or not at all (a new file moved into place): a worker stopped while
+        # writing left an empty file, and elastic's failure report then raised JSONDecodeError
+        # in the launcher instead of restarting the job (seen once in a CI run).
+        partial = f"{error_file}.{os.getpid()}.partial"
         try:
-            with open(error_file, "w") as f:
+            with open(partial, "w") as f:
                 json.dump(data, f)
+            os.replace(partial, error_file)
         except OSError:
-            pass
+            with contextlib.suppress(OSError):
+                os.remove(partial)
     sys.stderr.flush()
     _leave(1)
 
