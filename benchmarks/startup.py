@@ -144,13 +144,17 @@ launcher start -> first collective done."""
 
 FELT_KINDS = {
     "gloo": ("torch.distributed.run", "gloo", {}),
-    "tpu": ("tpu_dist.launch", "tpu", {}),
+    "tpu": ("_tpu_dist_launch", "tpu", {}),
+    "tpu-m": ("tpu_dist.launch", "tpu", {}),
     "tpu-fresh": ("tpu_dist.launch", "tpu", {"TPU_DIST_LAUNCH_PRELOAD": "0"}),
 }
-"""Job kind -> the launcher module that starts it (torchrun, tpu-launch), the backend, and
-variables for the launcher: ``tpu-fresh`` starts every worker as a fresh interpreter (no
-zygote, tpu_dist.launch._zygote), as tpu-launch did before."""
-FELT_TITLES = {"gloo": "torchrun + gloo", "tpu": "tpu-launch + tpu", "tpu-fresh": "tpu, fresh"}
+"""Job kind -> the launcher module that starts it (torchrun; ``_tpu_dist_launch`` is what the
+``tpu-launch`` command runs), the backend, and variables for the launcher: ``tpu-m`` is
+``python -m tpu_dist.launch`` (its zygote a new interpreter, not forked from the launcher),
+``tpu-fresh`` starts every worker as a fresh interpreter (no zygote, tpu_dist.launch._zygote),
+as tpu-launch did before."""
+FELT_TITLES = {"gloo": "torchrun + gloo", "tpu": "tpu-launch + tpu",
+               "tpu-m": "python -m tpu_dist.launch + tpu", "tpu-fresh": "tpu, fresh"}
 
 
 def load_average() -> float:

@@ -376,11 +376,12 @@ def free_port() -> int:
 
 
 def start_launcher(
-    args: Sequence[str], *, env: Mapping[str, str] | None = None
+    args: Sequence[str], *, env: Mapping[str, str] | None = None, module: str = "_tpu_dist_launch"
 ) -> subprocess.Popen:
-    """``python -m tpu_dist.launch ARGS`` in its own session, output captured."""
+    """``tpu-launch ARGS`` (``python -m _tpu_dist_launch``, what the command runs; or ``python -m
+    MODULE``) in its own session, output captured."""
     return subprocess.Popen(
-        [sys.executable, "-m", "tpu_dist.launch", *args],
+        [sys.executable, "-m", module, *args],
         cwd=REPO,
         env=clean_env(env),
         stdout=subprocess.PIPE,
@@ -404,10 +405,12 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
 
 
 def run_launcher(
-    args: Sequence[str], *, timeout: float = 150.0, env: Mapping[str, str] | None = None
+    args: Sequence[str], *, timeout: float = 150.0, env: Mapping[str, str] | None = None,
+    module: str = "_tpu_dist_launch",
 ) -> tuple[int, str, str]:
-    """Runs ``python -m tpu_dist.launch ARGS`` to completion: (exit code, stdout, stderr)."""
-    return finish(start_launcher(args, env=env), timeout)
+    """Runs ``tpu-launch ARGS`` (or ``python -m MODULE ARGS``) to completion: (exit code,
+    stdout, stderr)."""
+    return finish(start_launcher(args, env=env, module=module), timeout)
 
 
 def pid_alive(pid: int) -> bool:

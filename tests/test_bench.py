@@ -137,7 +137,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple]:
     commands = {"bench": bench}
     for wrap in ("fsdp", "ddp"):
         commands[wrap] = [
-            sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "2", str(script),
+            sys.executable, "-m", "_tpu_dist_launch", "--nproc-per-node", "2", str(script),
             "--wrap", wrap, "--rounds", "2", "--steps-per-round", "1", "--warmup", "1",
         ]
     procs = {

@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "compile_only_job.py")
 CRASH_JOB = os.path.join(ROOT, "tests", "compile_only_crash_job.py")
 EXAMPLES = [os.path.join(ROOT, "examples", name) for name in ("train_fsdp.py", "train_fsdp_tp.py")]
-LAUNCH = [sys.executable, "-m", "tpu_dist.launch"]
+LAUNCH = [sys.executable, "-m", "_tpu_dist_launch"]  # what tpu-launch runs
 
 # The gloo process-group method -> the name the recording uses (torch's API name).
 _TORCH_NAME = {

@@ -57,7 +57,7 @@ def _run(launcher: str, script: str, *args: str, nproc: int = 4,
          timeout: float = 300.0) -> subprocess.CompletedProcess:
     """Run an example on ``nproc`` ranks; fail the test (with its output) if it exits non-zero."""
     if launcher == "tpu-launch":
-        command = [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", str(nproc)]
+        command = [sys.executable, "-m", "_tpu_dist_launch", "--nproc-per-node", str(nproc)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -349,7 +349,7 @@ def test_tpu_launch_cpu_workers_never_probe_libtpu(tmp_path: Path) -> None:
     script.write_text("import jax\nprint(jax.devices())\n")
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     proc = subprocess.run(
-        [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "1", str(script)],
+        [sys.executable, "-m", "_tpu_dist_launch", "--nproc-per-node", "1", str(script)],
         capture_output=True, text=True, timeout=300, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

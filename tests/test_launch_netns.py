@@ -65,7 +65,7 @@ def test_two_hosts_in_separate_namespaces_all_reduce(
             ns,
             sys.executable,
             "-m",
-            "tpu_dist.launch",
+            "_tpu_dist_launch",
             "--nnodes",
             "2",
             "--node-rank",

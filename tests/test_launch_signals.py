@@ -98,7 +98,7 @@ def waits() -> dict:
     seconds to exit, stderr, whether the progress line came before the signal)."""
     script = os.path.join(REPO, "tests", "launch_worker.py")
     runs = {
-        case: _Run([sys.executable, "-m", "tpu_dist.launch",
+        case: _Run([sys.executable, "-m", "_tpu_dist_launch",
                     *_two_node_args(case[1], free_port()), script, "allreduce"])
         for case in CASES
     }

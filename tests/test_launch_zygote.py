@@ -52,6 +52,7 @@ _STATE = textwrap.dedent(
         "gc": [gc.isenabled(), gc.get_threshold()],  # on, as fresh (the preload only frozen)
         "tpu_dist_modules": sorted(m for m in sys.modules if m.startswith("tpu_dist")),
         "torch_preloaded": "torch" in sys.modules,
+        "started_as": sys.orig_argv[1:3],  # the interpreter the zygote (or worker) began as
         "dtensor_preloaded": "torch.distributed.tensor" in sys.modules,  # not for this script
         "draws": [random.random(), float(numpy.random.random())],
     }
@@ -74,13 +75,15 @@ _RUN_SPECIFIC = (
 """Variables whose values differ between any two launches (ports, run ids, temporary paths)."""
 
 
-def _job(tmp_path: Path, name: str, preload: bool, stdin: int | None = None) -> dict[int, dict]:
+def _job(tmp_path: Path, name: str, preload: bool, module: str = "_tpu_dist_launch",
+         extra_env: dict[str, str] | None = None) -> dict[int, dict]:
     script, out = tmp_path / "state.py", tmp_path / name
     script.write_text(_STATE)
     out.mkdir()
     env = {} if preload else {_settings.LAUNCH_PRELOAD.env: "0"}
+    env.update(extra_env or {})
     code, stdout, stderr = run_launcher(
-        ["--nproc-per-node", "2", str(script), str(out)], env=env, timeout=240
+        ["--nproc-per-node", "2", str(script), str(out)], env=env, timeout=240, module=module
     )
     assert code == 0, stderr
     for rank in (0, 1):
@@ -95,21 +98,36 @@ def _job(tmp_path: Path, name: str, preload: bool, stdin: int | None = None) -> 
     return states
 
 
+_ZYGOTE_FILE = os.path.join(REPO, "tpu_dist", "launch", "_zygote.py")
+_WORKER_FILE = os.path.join(REPO, "tpu_dist", "launch", "_worker.py")
+
+
 def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
-    forked = _job(tmp_path, "forked", preload=True)
-    fresh = _job(tmp_path, "fresh", preload=False)
-    for job in (forked, fresh):  # each rank draws its own random numbers
-        first, second = job[0].pop("draws"), job[1].pop("draws")
+    """Three ways to start the same workers: ``tpu-launch`` forks them from the zygote it forked
+    itself after its torch import (``_tpu_dist_launch``); ``python -m tpu_dist.launch``, which
+    imports tpu_dist before any launcher code runs, from a zygote started as a new interpreter;
+    with ``TPU_DIST_LAUNCH_PRELOAD=0`` each is a new interpreter."""
+    jobs = {
+        "early": _job(tmp_path, "early", preload=True),
+        "zygote": _job(tmp_path, "zygote", preload=True, module="tpu_dist.launch"),
+        "fresh": _job(tmp_path, "fresh", preload=False),
+    }
+    began = {"early": ["-m", "_tpu_dist_launch"], "zygote": ["-u", _ZYGOTE_FILE],
+             "fresh": ["-u", _WORKER_FILE]}
+    for name, job in jobs.items():
+        first, second = job[0].pop("draws"), job[1].pop("draws")  # each rank draws its own
         assert first[0] != second[0] and first[1] != second[1], (first, second)
-    for rank in (0, 1):
-        assert forked[rank]["torch_preloaded"] is True  # the zygote was used
-        assert fresh[rank]["torch_preloaded"] is False
-        forked[rank].pop("torch_preloaded"), fresh[rank].pop("torch_preloaded")
-        assert forked[rank]["env"] == fresh[rank]["env"]
-        assert forked[rank] == fresh[rank]
-        assert forked[rank]["parent_is_launcher"] and forked[rank]["own_session"]
-        assert forked[rank]["tpu_dist_modules"] == []  # nothing of tpu_dist before the script
-        assert forked[rank]["dtensor_preloaded"] is False  # it imports no DTensor API
+        for rank in (0, 1):
+            assert job[rank].pop("started_as") == began[name], name
+            assert job[rank].pop("torch_preloaded") is (name != "fresh"), name
+    fresh = jobs.pop("fresh")
+    for name, forked in jobs.items():
+        for rank in (0, 1):
+            assert forked[rank]["env"] == fresh[rank]["env"], name
+            assert forked[rank] == fresh[rank], name
+            assert forked[rank]["parent_is_launcher"] and forked[rank]["own_session"]
+            assert forked[rank]["tpu_dist_modules"] == []  # nothing of tpu_dist before the script
+            assert forked[rank]["dtensor_preloaded"] is False  # it imports no DTensor API
 
 
 _DTENSOR_SCRIPT = """
@@ -227,3 +245,66 @@ def test_a_zygote_with_threads_is_not_used() -> None:
         assert zygote.why_not is not None and "threads after importing numpy" in zygote.why_not
     finally:
         zygote.close()
+
+
+_ENV_SCRIPT = """
+import os, sys
+print("ENV", {k: os.environ.get(k) for k in sys.argv[1:]})
+"""
+
+
+def test_the_launchers_own_variables_do_not_reach_its_workers(tmp_path: Path) -> None:
+    """``tpu-launch`` re-executes itself with ``OMP_NUM_THREADS=1`` and the huge-page malloc
+    tunable where they are unset, to import torch as its workers will; its workers still get
+    the environment the launcher was started with plus what tpu-launch sets for them. One
+    worker per host gets no ``OMP_NUM_THREADS`` (as under torchrun), a user's
+    ``GLIBC_TUNABLES`` is kept, and the re-exec's marker is gone. (Such a worker is not forked
+    from the launcher's zygote: torch was imported there with one OpenMP thread.)"""
+    script = tmp_path / "env.py"
+    script.write_text(_ENV_SCRIPT)
+    names = ["OMP_NUM_THREADS", "GLIBC_TUNABLES", "_TPU_DIST_LAUNCH_ADDED"]
+    code, stdout, stderr = run_launcher(
+        ["--nproc-per-node", "1", str(script), *names],
+        env={"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, timeout=240,
+    )
+    assert code == 0, stderr
+    expected = {"OMP_NUM_THREADS": None, "GLIBC_TUNABLES": "glibc.malloc.arena_max=2",
+                "_TPU_DIST_LAUNCH_ADDED": None}
+    assert f"[rank0]:ENV {expected}" in stdout, stdout
+
+
+def test_a_launcher_that_starts_no_worker_ends_its_early_zygote_at_once() -> None:
+    """``--dry-run`` (and any launcher that stops before its workers) ends the zygote its entry
+    forked: it holds the launcher's stdout, so a zygote left behind would keep a reader of
+    that pipe waiting."""
+    start = time.monotonic()
+    code, stdout, stderr = run_launcher(
+        ["--dry-run", "--nproc-per-node", "2", "-m", "json.tool"], timeout=60
+    )
+    assert code == 0, stderr
+    assert time.monotonic() - start < 30.0
+
+
+def test_an_early_zygote_is_used_only_where_torch_saw_the_workers_environment() -> None:
+    """The variables the launcher sets for its workers after the fork (platform, topology,
+    chips, its own bookkeeping) may differ from the environment torch was imported in; any
+    other variable, and the two tpu_dist's ``torch.backends`` hook reads inside ``import
+    torch``, may not."""
+    from _tpu_dist_launch import EarlyZygote
+
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
+    early = EarlyZygote(pid=0, sock=None, env=base)  # type: ignore[arg-type]
+    usable = _zygote.early_usable
+    later = {"TPU_DIST_PLATFORM": "cpu", "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--x",
+             "TPU_VISIBLE_CHIPS": "0", "RANK": "3", "TPU_DIST_LAUNCH_PID": "1"}
+    assert usable(early, sys.executable, {**base, **later}) is None
+    assert usable(early, "/usr/bin/python3", base) == (
+        f"the workers run /usr/bin/python3, not {sys.executable}")
+    for name, env in [
+        ("OMP_NUM_THREADS", {"PATH": "/bin"}),
+        ("GLIBC_TUNABLES", {**base, "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}),
+        ("TPU_DIST_DEFAULT_FOR_CPU", {**base, "TPU_DIST_DEFAULT_FOR_CPU": "1"}),
+        ("TPU_DIST_BACKEND_NAME", {**base, "TPU_DIST_BACKEND_NAME": "tpu_dist"}),
+    ]:
+        assert usable(early, sys.executable, env) == (
+            f"torch was imported with {name} other than the workers have")

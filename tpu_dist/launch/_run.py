@@ -404,10 +404,26 @@ def _store_address(spec: LaunchSpec) -> tuple[str, int] | None:
 def _start_zygote(spec: LaunchSpec) -> _zygote.Zygote | None:
     """This launch's zygote (:mod:`._zygote`), started with the workers' shared environment
     (and DTensor preloaded for a script that imports it, :func:`._zygote.script_preload`), or
-    None where workers start as fresh interpreters."""
+    None where workers start as fresh interpreters. The zygote ``tpu-launch``'s entry forked
+    after its torch import (``_tpu_dist_launch``) is used where it can be, else ended."""
+    launch_entry = sys.modules.get("_tpu_dist_launch")
+    early = launch_entry.take_early_zygote() if launch_entry is not None else None
     if spec.entry.kind not in ("python", "module") or not _zygote.enabled():
+        if early is not None:
+            _zygote.end_early(early)
         return None
     also = _zygote.script_preload(spec.entry.target) if spec.entry.kind == "python" else ()
+    if early is not None:
+        why = _zygote.early_usable(early, spec.entry.python, os.environ)
+        if why is None:
+            try:
+                return _zygote.Zygote(spec.entry.python, os.environ, also, early=early)
+            except OSError as err:
+                why = f"it ended ({err})"
+        else:
+            _zygote.end_early(early)
+        logger.debug("tpu-launch: the zygote forked after the launcher's import is not used: %s",
+                     why)
     try:
         return _zygote.Zygote(spec.entry.python, os.environ, also)
     except OSError as err:

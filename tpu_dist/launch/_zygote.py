@@ -61,7 +61,7 @@ from typing import Any
 
 __all__ = [
     "DTENSOR_PRELOAD", "LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "early_differences",
-    "enabled", "script_preload",
+    "early_usable", "enabled", "end_early", "script_preload", "serve_forked",
 ]
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
@@ -251,12 +251,33 @@ class ForkedProcess:
 class Zygote:
     """The launcher's handle on its zygote (module doc): :meth:`spawn` forks a worker."""
 
-    def __init__(self, python: str, env: Mapping[str, str], also: Sequence[str] = ()) -> None:
+    def __init__(
+        self, python: str, env: Mapping[str, str], also: Sequence[str] = (), early: Any = None
+    ) -> None:
         """Start the zygote with ``env``; it imports :data:`PRELOAD`, then ``also`` (module
-        names, e.g. :func:`script_preload`'s)."""
+        names, e.g. :func:`script_preload`'s). With ``early`` (``_tpu_dist_launch``'s
+        ``EarlyZygote``, which :func:`early_usable` accepted), the zygote forked from this
+        launcher after its torch import is told to go on instead: its environment becomes
+        ``env`` before it imports the rest.
+
+        Raises:
+            OSError: the zygote could not be started (or ``early`` is gone).
+        """
         self.python = python
         self.env = dict(env)
         """The environment the zygote imported :data:`PRELOAD` in."""
+        self._ready: bool | None = None
+        self.why_not: str | None = None
+        """Why the zygote is not used (after a failed :meth:`spawn`)."""
+        if early is not None:
+            self._sock = early.sock
+            self.proc: Any = ForkedProcess(early.pid, ["tpu-launch zygote"])
+            try:
+                _send(self._sock, json.dumps({"env": self.env, "also": list(also)}).encode())
+            except OSError:
+                self.close()
+                raise
+            return
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.proc = subprocess.Popen(
@@ -272,9 +293,6 @@ class Zygote:
             )
         finally:
             theirs.close()
-        self._ready: bool | None = None
-        self.why_not: str | None = None
-        """Why the zygote is not used (after a failed :meth:`spawn`)."""
 
     def _check_ready(self) -> bool:
         if self._ready is None:
@@ -353,6 +371,41 @@ class Zygote:
                 self.proc.wait()
 
 
+_SET_AFTER_TORCH_IMPORT = ("TPU_DIST_", "JAX_", "XLA_", "TPU_", "CLOUD_TPU_", "LIBTPU_")
+"""Prefixes of the variables an early zygote's environment may lack or differ in: the launcher
+sets them for the workers (platform, topology, chips, its own bookkeeping), and nothing reads
+them while numpy, torch and ``torch.distributed`` are imported (JAX, libtpu and tpu_dist read
+them later; with TorchTPU loaded by torch there is no early zygote). Two are read then, by
+tpu_dist's ``torch.backends`` hook, and must agree: :data:`_READ_BY_TORCH_IMPORT`."""
+
+_READ_BY_TORCH_IMPORT = frozenset({"TPU_DIST_DEFAULT_FOR_CPU", "TPU_DIST_BACKEND_NAME"})
+
+
+def early_usable(early: Any, python: str, env: Mapping[str, str]) -> str | None:
+    """Why the zygote ``_tpu_dist_launch`` forked (``early``) cannot serve workers started by
+    ``python`` with ``env`` (the workers' shared environment), or None when it can."""
+    if python != sys.executable:
+        return f"the workers run {python}, not {sys.executable}"
+    differ = [
+        name for name in early_differences(env, early.env, _late_vars())
+        if not name.startswith(_SET_AFTER_TORCH_IMPORT) or name in _READ_BY_TORCH_IMPORT
+    ]
+    if differ:
+        return f"torch was imported with {', '.join(differ)} other than the workers have"
+    return None
+
+
+def end_early(early: Any) -> None:
+    """End the zygote ``_tpu_dist_launch`` forked, unused: it leaves when its socket closes."""
+    early.sock.close()
+    proc = ForkedProcess(early.pid, ["tpu-launch zygote"])
+    try:
+        proc.wait(timeout=2.0)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether workers fork from a zygote: on Linux, unless ``TPU_DIST_LAUNCH_PRELOAD=0``.
 
@@ -381,9 +434,13 @@ def _serve(fd: int, launcher: int, also: Sequence[str] = ()) -> list[str]:
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != launcher:
         os._exit(0)
+    return _preload_and_serve(sock, (*PRELOAD, *also))
+
+
+def _preload_and_serve(sock: socket.socket, names: Sequence[str]) -> list[str]:
     loaded, why = [], None
     gc.disable()  # see _freeze
-    for name in (*PRELOAD, *also):
+    for name in names:
         try:
             __import__(name)
             loaded.append(name)
@@ -418,6 +475,51 @@ def _serve(fd: int, launcher: int, also: Sequence[str] = ()) -> list[str]:
         for f in fds:
             os.close(f)
         _send(sock, json.dumps({"pid": pid}).encode())
+
+
+def serve_forked(fd: int, launcher: int) -> None:
+    """The zygote that tpu-launch's entry (``_tpu_dist_launch``) forked from the launcher after
+    importing numpy, torch and ``torch.distributed`` (in a session of its own already): made
+    what the zygote started as a new interpreter is (stdin from ``/dev/null``, the ``-u``
+    streams, the same ``sys.path``), it waits for the launcher's ``go`` (the workers' environment, and what else to
+    preload: :class:`Zygote` with ``early``), then preloads the rest and serves as that zygote
+    does. Returns only in a forked worker, once the worker entry returned."""
+    _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != launcher:
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    _unbuffered_streams()
+    sys.path[0] = os.devnull  # as in the zygote's own interpreter (the __main__ block below)
+    sock = socket.socket(fileno=fd)
+    try:
+        data, _ = _recv(sock)
+        go = json.loads(data)
+    except (OSError, EOFError, ValueError):
+        os._exit(0)
+    os.environ.clear()
+    os.environ.update(go["env"])
+    entry = _load_worker_entry()
+    argv = _preload_and_serve(sock, (*PRELOAD, *go["also"]))
+    sys.argv = [entry.__file__, *argv]
+    entry.main(argv)
+
+
+def _unbuffered_streams() -> None:
+    """``sys.stdout`` and ``sys.stderr`` as ``python -u`` makes them (how the zygote's own
+    interpreter and every fresh worker run): text written through to an unbuffered file."""
+    import io
+
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        if old is None or (isinstance(old.buffer, io.FileIO) and old.write_through):
+            continue
+        old.flush()
+        new = io.TextIOWrapper(io.FileIO(fd, "wb", closefd=False), encoding=old.encoding,
+                               errors=old.errors, write_through=True)
+        setattr(sys, name, new)
+        setattr(sys, f"__{name}__", new)
 
 
 def _freeze() -> None:
