@@ -36,13 +36,18 @@ import socket
 import sys
 from typing import NamedTuple
 
-__all__ = ["EARLY_VARS", "EarlyZygote", "main", "take_early_zygote"]
+__all__ = ["EARLY_VARS", "PRELOAD_ENV", "EarlyZygote", "main", "take_early_zygote"]
 
 EARLY_VARS = {"OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 """Set for the workers by tpu-launch (``tpu_dist.launch._env``: several CPU workers per host,
 CPU workers) and read too early to set after a fork: by OpenMP and numpy's BLAS when torch and
 numpy load (and numpy's BLAS starts a thread unless it is 1, which makes a fork unsafe), and by
 glibc when the interpreter starts."""
+
+PRELOAD_ENV = "TPU_DIST_LAUNCH_PRELOAD"
+"""tpu_dist's switch for the zygote (``tpu_dist._settings.LAUNCH_PRELOAD``; this module cannot
+import it, ``tests/test_launch_zygote.py`` checks they agree): off (``0``, ``false``, ``no``,
+``off``), no early fork either."""
 
 _ADDED_VAR = "_TPU_DIST_LAUNCH_ADDED"
 """Set only across the re-exec: the names of :data:`EARLY_VARS` this entry added (JSON)."""
@@ -70,7 +75,7 @@ def take_early_zygote() -> EarlyZygote | None:
 def _wanted(argv: list[str]) -> bool:
     if not sys.platform.startswith("linux") or "torch" in sys.modules:
         return False
-    if os.environ.get("TPU_DIST_LAUNCH_PRELOAD", "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(PRELOAD_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return False
     # A false match (the user's script takes a flag of that name) only costs the early fork.
     return not any(arg == "--compile-only" for arg in argv)

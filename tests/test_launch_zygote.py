@@ -290,8 +290,14 @@ def test_an_early_zygote_is_used_only_where_torch_saw_the_workers_environment() 
     chips, its own bookkeeping) may differ from the environment torch was imported in; any
     other variable, and the two tpu_dist's ``torch.backends`` hook reads inside ``import
     torch``, may not."""
+    import _tpu_dist_launch
     from _tpu_dist_launch import EarlyZygote
+    from tpu_dist.launch import HUGE_PAGES_TUNABLE
 
+    # The entry's copies of tpu_dist's names and values (it cannot import tpu_dist).
+    assert _tpu_dist_launch.PRELOAD_ENV == _settings.LAUNCH_PRELOAD.env
+    assert _tpu_dist_launch.EARLY_VARS == {"OMP_NUM_THREADS": "1",
+                                           "GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}
     early = EarlyZygote(pid=0, sock=None, env=base)  # type: ignore[arg-type]
     usable = _zygote.early_usable

@@ -154,6 +154,18 @@ read at import (such workers start fresh). ``TPU_DIST_LAUNCH_PRELOAD=0`` starts 
 fresh interpreter (and a ``--compile-only`` job, which the launcher otherwise runs itself:
 ``._compile_only``).
 
+The ``tpu-launch`` command does not import torch twice: its entry (the module ``_tpu_dist_launch``)
+re-executes the interpreter once with ``OMP_NUM_THREADS=1`` and ``GLIBC_TUNABLES`` set as CPU
+workers get them (where unset: both are read at start-up or import, not after a fork), imports
+numpy, torch and ``torch.distributed``, and forks the zygote from itself; the launcher then
+restores the environment it was started with (its workers see exactly what they would have) and
+the zygote imports JAX once the launcher tells it the workers' environment. Where that
+environment differs from the one torch was imported in (one worker per host: no
+``OMP_NUM_THREADS``; a TPU host: no huge-page tunable; ``--default-for-cpu``), the launcher ends
+that zygote and starts one as a new interpreter, as ``python -m tpu_dist.launch`` always does (it
+imports ``tpu_dist``, and so torch, before any launcher code runs). A 4-rank job took 2.4 s
+instead of 3.5 (torchrun + gloo: 4.8 s; benchmarks/README.md E51).
+
 Output
 ======
 

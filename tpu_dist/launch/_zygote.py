@@ -376,19 +376,21 @@ _SET_AFTER_TORCH_IMPORT = ("TPU_DIST_", "JAX_", "XLA_", "TPU_", "CLOUD_TPU_", "L
 sets them for the workers (platform, topology, chips, its own bookkeeping), and nothing reads
 them while numpy, torch and ``torch.distributed`` are imported (JAX, libtpu and tpu_dist read
 them later; with TorchTPU loaded by torch there is no early zygote). Two are read then, by
-tpu_dist's ``torch.backends`` hook, and must agree: :data:`_READ_BY_TORCH_IMPORT`."""
-
-_READ_BY_TORCH_IMPORT = frozenset({"TPU_DIST_DEFAULT_FOR_CPU", "TPU_DIST_BACKEND_NAME"})
+tpu_dist's ``torch.backends`` hook, and must agree: the backend's name and the default for CPU
+tensors (:func:`early_usable`)."""
 
 
 def early_usable(early: Any, python: str, env: Mapping[str, str]) -> str | None:
     """Why the zygote ``_tpu_dist_launch`` forked (``early``) cannot serve workers started by
     ``python`` with ``env`` (the workers' shared environment), or None when it can."""
+    from tpu_dist import _settings  # in the launcher, as in _late_vars
+
     if python != sys.executable:
         return f"the workers run {python}, not {sys.executable}"
+    read_by_hook = {_settings.BACKEND_NAME.env, _settings.DEFAULT_FOR_CPU.env}
     differ = [
         name for name in early_differences(env, early.env, _late_vars())
-        if not name.startswith(_SET_AFTER_TORCH_IMPORT) or name in _READ_BY_TORCH_IMPORT
+        if not name.startswith(_SET_AFTER_TORCH_IMPORT) or name in read_by_hook
     ]
     if differ:
         return f"torch was imported with {', '.join(differ)} other than the workers have"
