@@ -53,7 +53,7 @@ def compare(example_args: list[str], timeout: float = 900, real_backend: str = "
     with tempfile.TemporaryDirectory() as tmp:
         real_out, report = os.path.join(tmp, "real.json"), os.path.join(tmp, "fake.json")
         real = subprocess.Popen(
-            [sys.executable, "-m", "tpu_dist.launch", "--nproc-per-node", "4",
+            [sys.executable, "-m", "_tpu_dist_launch", "--nproc-per-node", "4",  # tpu-launch
              os.path.abspath(__file__), "--worker", real_out, "--", *example_args,
              "--backend", real_backend],
             env=env, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
