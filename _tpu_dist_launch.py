@@ -134,6 +134,9 @@ def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     launcher = os.getpid()
+    for stream in (sys.stdout, sys.stderr):  # nothing buffered is written twice
+        if stream is not None:
+            stream.flush()
     pid = os.fork()
     if pid == 0:  # the zygote: out of the launcher's session first (a Ctrl-C is the launcher's)
         os.setsid()

@@ -106,11 +106,14 @@ def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
     """Three ways to start the same workers: ``tpu-launch`` forks them from the zygote it forked
     itself after its torch import (``_tpu_dist_launch``); ``python -m tpu_dist.launch``, which
     imports tpu_dist before any launcher code runs, from a zygote started as a new interpreter;
-    with ``TPU_DIST_LAUNCH_PRELOAD=0`` each is a new interpreter."""
+    with ``TPU_DIST_LAUNCH_PRELOAD=0`` each is a new interpreter. The launchers' own streams are
+    buffered (no ``PYTHONUNBUFFERED``): a worker's are as ``python -u`` makes them all the same."""
+    buffered = {"PYTHONUNBUFFERED": ""}
     jobs = {
-        "early": _job(tmp_path, "early", preload=True),
-        "zygote": _job(tmp_path, "zygote", preload=True, module="tpu_dist.launch"),
-        "fresh": _job(tmp_path, "fresh", preload=False),
+        "early": _job(tmp_path, "early", preload=True, extra_env=buffered),
+        "zygote": _job(tmp_path, "zygote", preload=True, module="tpu_dist.launch",
+                       extra_env=buffered),
+        "fresh": _job(tmp_path, "fresh", preload=False, extra_env=buffered),
     }
     began = {"early": ["-m", "_tpu_dist_launch"], "zygote": ["-u", _ZYGOTE_FILE],
              "fresh": ["-u", _WORKER_FILE]}
