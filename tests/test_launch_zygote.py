@@ -3,8 +3,10 @@ interpreter would have been: the same environment, arguments, paths, streams, se
 and signal dispositions, garbage collector, the same exit codes and signals as seen by the
 launcher; only torch and JAX are imported already (and their objects frozen, ``gc.freeze``).
 
-Each job runs twice, with the zygote (the default) and with ``TPU_DIST_LAUNCH_PRELOAD=0`` (every
-worker a fresh ``python -u _worker.py``, as before), and the two are compared. Timing is in
+Each job runs three times: through ``tpu-launch``'s entry (the zygote forked from the launcher
+after its torch import, ``_tpu_dist_launch``), through ``python -m tpu_dist.launch`` (the zygote a
+new interpreter) and with ``TPU_DIST_LAUNCH_PRELOAD=0`` (every worker a fresh ``python -u
+_worker.py``, as before), and they are compared. Timing is in
 ``benchmarks/startup.py --felt``, not here.
 """
 
