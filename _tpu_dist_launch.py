@@ -34,9 +34,9 @@ import json
 import os
 import socket
 import sys
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-__all__ = ["EARLY_VARS", "PRELOAD_ENV", "EarlyZygote", "main", "take_early_zygote"]
+__all__ = ["EARLY_VARS", "PRELOAD_ENV", "PRELOAD_OFF", "EarlyZygote", "main", "take_early_zygote"]
 
 EARLY_VARS = {"OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 """Set for the workers by tpu-launch (``tpu_dist.launch._env``: several CPU workers per host,
@@ -46,8 +46,10 @@ glibc when the interpreter starts."""
 
 PRELOAD_ENV = "TPU_DIST_LAUNCH_PRELOAD"
 """tpu_dist's switch for the zygote (``tpu_dist._settings.LAUNCH_PRELOAD``; this module cannot
-import it, ``tests/test_launch_zygote.py`` checks they agree): off (``0``, ``false``, ``no``,
-``off``), no early fork either."""
+import it, ``tests/test_launch_zygote.py`` checks they agree): off (:data:`PRELOAD_OFF`), no
+early fork either."""
+PRELOAD_OFF = ("0", "false", "no", "off")
+"""The values (stripped, lower case) that turn :data:`PRELOAD_ENV` off, as tpu_dist reads it."""
 
 _ADDED_VAR = "_TPU_DIST_LAUNCH_ADDED"
 """Set only across the re-exec: the names of :data:`EARLY_VARS` this entry added (JSON)."""
@@ -75,24 +77,23 @@ def take_early_zygote() -> EarlyZygote | None:
 def _wanted(argv: list[str]) -> bool:
     if not sys.platform.startswith("linux") or "torch" in sys.modules:
         return False
-    if os.environ.get(PRELOAD_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(PRELOAD_ENV, "").strip().lower() in PRELOAD_OFF:
         return False
     # A false match (the user's script takes a flag of that name) only costs the early fork.
     return not any(arg == "--compile-only" for arg in argv)
 
 
-def _threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 0
-
-
-def _zygote_file() -> str | None:
+def _load_zygote() -> Any:
+    """``tpu_dist/launch/_zygote.py`` as a module of its own, loaded by path as the zygote's own
+    interpreter runs it (it imports only the standard library), or None."""
     spec = importlib.util.find_spec("tpu_dist")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:
         return None
-    return os.path.join(list(spec.submodule_search_locations)[0], "launch", "_zygote.py")
+    path = os.path.join(list(spec.submodule_search_locations)[0], "launch", "_zygote.py")
+    spec = importlib.util.spec_from_file_location("_tpu_dist_launch_zygote", path)
+    zygote = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(zygote)  # type: ignore[union-attr]
+    return zygote
 
 
 def _fork_zygote() -> EarlyZygote | None:
@@ -116,8 +117,8 @@ def _fork_zygote() -> EarlyZygote | None:
 
 
 def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
-    zygote_file = _zygote_file()
-    if zygote_file is None:
+    zygote = _load_zygote()
+    if zygote is None:
         return None
     gc.disable()
     try:
@@ -130,7 +131,7 @@ def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
     finally:
         gc.freeze()
         gc.enable()
-    if "torch_tpu" in sys.modules or _threads() != 1:
+    if "torch_tpu" in sys.modules or zygote._threads() != 1:
         return None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     launcher = os.getpid()
@@ -142,9 +143,6 @@ def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
         os.setsid()
         ours.close()
         sys.modules.pop("_tpu_dist_launch", None)
-        spec = importlib.util.spec_from_file_location("_tpu_dist_launch_zygote", zygote_file)
-        zygote = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        spec.loader.exec_module(zygote)  # type: ignore[union-attr]
         zygote.serve_forked(theirs.detach(), launcher)  # returns when its worker's program did
         sys.exit(0)
     theirs.close()

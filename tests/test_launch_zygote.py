@@ -301,6 +301,8 @@ def test_an_early_zygote_is_used_only_where_torch_saw_the_workers_environment() 
 
     # The entry's copies of tpu_dist's names and values (it cannot import tpu_dist).
     assert _tpu_dist_launch.PRELOAD_ENV == _settings.LAUNCH_PRELOAD.env
+    for off in _tpu_dist_launch.PRELOAD_OFF:
+        assert _settings.LAUNCH_PRELOAD.get({_settings.LAUNCH_PRELOAD.env: off}) is False, off
     assert _tpu_dist_launch.EARLY_VARS == {"OMP_NUM_THREADS": "1",
                                            "GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
     base = {"PATH": "/bin", "OMP_NUM_THREADS": "1"}

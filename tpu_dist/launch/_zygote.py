@@ -483,9 +483,10 @@ def serve_forked(fd: int, launcher: int) -> None:
     """The zygote that tpu-launch's entry (``_tpu_dist_launch``) forked from the launcher after
     importing numpy, torch and ``torch.distributed`` (in a session of its own already): made
     what the zygote started as a new interpreter is (stdin from ``/dev/null``, the ``-u``
-    streams, the same ``sys.path``), it waits for the launcher's ``go`` (the workers' environment, and what else to
-    preload: :class:`Zygote` with ``early``), then preloads the rest and serves as that zygote
-    does. Returns only in a forked worker, once the worker entry returned."""
+    streams, the same ``sys.path``), it waits for the launcher's ``go`` (the workers'
+    environment, and what else to preload: :class:`Zygote` with ``early``), then preloads the
+    rest and serves as that zygote does. Returns only in a forked worker, once the worker entry
+    returned."""
     _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
     if os.getppid() != launcher:
         os._exit(0)
