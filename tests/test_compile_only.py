@@ -3,9 +3,10 @@
 The job (``tests/compile_only_job.py``: FSDP2 x TP, DDP, object collectives, p2p, all-to-all)
 runs once on 4 real gloo ranks whose every process-group call is counted, and under
 ``--compile-only`` as ranks 0 and 3 of the same 4-device topology: the recording must see
-exactly the calls, groups and bytes gloo saw. A 2-slice run checks the DCN column, and a run
+exactly the calls, groups and bytes gloo saw. A 2-slice run checks the DCN column, a run
 with a reduce-scatter larger than a v5e's HBM checks that a program the TPU compiler rejects is
-reported with the script line that issued it. The runs (each one process, or four for gloo)
+reported with the script line that issued it, and TorchTitan's mesh (flattened dimensions,
+``tests/compile_only_flat_job.py``) must compile on v5e. The runs (each one process, or four for gloo)
 go as many at once as the machine has cores; libtpu's compile-only devices stand in for the TPU.
 """
 
@@ -28,6 +29,7 @@ from tpu_dist.mesh import Topology  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "compile_only_job.py")
 CRASH_JOB = os.path.join(ROOT, "tests", "compile_only_crash_job.py")
+FLAT_JOB = os.path.join(ROOT, "tests", "compile_only_flat_job.py")
 EXAMPLES = [os.path.join(ROOT, "examples", name) for name in ("train_fsdp.py", "train_fsdp_tp.py")]
 LAUNCH = [sys.executable, "-m", "_tpu_dist_launch"]  # what tpu-launch runs
 
@@ -79,6 +81,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         "dcn": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--num-slices", "2", "--compile-only"],
                 _env()),
         "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
+        "flattened_v5e": ([*LAUNCH, "--emulate", "v5e:4x4", "--compile-only"], _env()),
         "rank0": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
         "rank0_real": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--tensors", "real"],
                        _env()),
@@ -94,7 +97,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         cmd, env = commands[name]
         report = tmp / f"{name}.json"
         if name != "gloo":
-            job = CRASH_JOB if name == "crash_in_slice" else JOB
+            job = {"crash_in_slice": CRASH_JOB, "flattened_v5e": FLAT_JOB}.get(name, JOB)
             cmd = [*cmd, "--compile-report", str(report), job, *extra_args.get(name, [])]
         proc = subprocess.Popen(
             cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -150,6 +153,22 @@ def test_recording_matches_what_gloo_sees(runs: dict, rank: int) -> None:
     assert ours_calls == gloo_calls
     assert ours_bytes == gloo_bytes
     assert "VALUES ARE NOT MEANINGFUL" in out and "no data moved" in out
+
+
+def test_flattened_dimensions_of_a_torch_mesh_compile_on_v5e(runs: dict) -> None:
+    """TorchTitan's mesh on 16 v5e chips: FSDP2 over the flattened ``dp_shard_cp``, the loss
+    over the flattened ``dp_cp`` (groups of 4, part of the slice). Registered after
+    flattening, they run as family programs, which compile (their groups' own programs do not:
+    ``device assignment should include all slice devices``)."""
+    code, out, report = runs["flattened_v5e"]
+    assert code == 0, out
+    rows = report["collectives"]
+    assert rows and all(row["compiled"] for row in rows), [r for r in rows if not r["compiled"]]
+    dims = {row["mesh_dim"] for row in rows}
+    assert {"tp", "dp_shard_cp", "dp_cp"} <= dims, dims
+    for row in rows:
+        if row["mesh_dim"] in ("dp_shard_cp", "dp_cp"):
+            assert (row["group_size"], row["family_groups"]) == (4, 4), row
 
 
 def test_the_launcher_runs_the_job_itself_unless_told_not_to(runs: dict) -> None:

@@ -187,6 +187,112 @@ def test_a_torch_device_mesh_registered_runs_family_programs(worlds) -> None:
         assert result["program_groups"].get(2, 0) >= 2, result["program_groups"]
 
 
+def _flattened_dimensions(rank: int, world_size: int, iters: int) -> dict:
+    """A (dp 2, cp 1, tp 2) torch mesh with two flattened dimensions (TorchTitan's meshes with
+    cp = 1: ``dp_cp`` has dp's ranks, ``cp_tp`` tp's), registered through a sub-mesh; then two
+    threads all-reduce at once on dp and on dp_cp, two groups over the same ranks."""
+    import threading
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tpu_dist.mesh import register_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
+    meshes = {
+        "dp": mesh["dp"], "tp": mesh["tp"],
+        "dp_cp": mesh["dp", "cp"]._flatten("dp_cp"), "cp_tp": mesh["cp", "tp"]._flatten(),
+    }
+    register_mesh(mesh["tp"])  # a sub-mesh stands for its root and what was flattened from it
+    out: dict = {}
+    for dim, sub in meshes.items():
+        group = sub.get_group()
+        out[f"{dim}/ranks"] = dist.get_process_group_ranks(group)
+        out[f"{dim}/family"] = getattr(group, "family", None)
+    groups = [meshes["dp"].get_group(), meshes["dp_cp"].get_group()]
+    before = _agreement_programs()
+    ranks = out["dp/ranks"]
+    wrong, errors = [0, 0], []
+
+    def loop(which: int) -> None:
+        try:
+            base = 1000.0 * (which + 1)
+            for i in range(iters):
+                x = torch.full((1000 - 500 * which,), base + i + rank)
+                dist.all_reduce(x, group=groups[which])
+                if not torch.equal(x, torch.full_like(x, sum(base + i + r for r in ranks))):
+                    wrong[which] += 1
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=loop, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    out["wrong"] = wrong
+    out["agreements"] = _agreement_programs()
+    out["new_agreements"] = sorted(set(out["agreements"]) - set(before))
+    return out
+
+
+def _agreement_programs() -> list[tuple[int, tuple[int, ...]]]:
+    """(groups, the ranks of its devices) of each order-agreement program this rank built (an
+    all-gather of three int32s; empty on gloo)."""
+    if dist.get_backend() == "gloo":
+        return []
+    from tpu_dist.collectives import _runtime, global_devices
+
+    rank_of = {d.id: r for r, d in enumerate(global_devices())}
+    return sorted(
+        (k.groups, tuple(rank_of[i] for i in k.devices))
+        for k in _runtime.get().programs.by_key
+        if k.kind == "allgather" and k.blocks == ((3, "int32"),)
+    )
+
+
+def test_flattened_dimensions_are_families_and_agree_on_order_as_one(worlds) -> None:
+    tpu = worlds(**_TPU).run(_flattened_dimensions, 30, timeout=120)
+    gloo = worlds(4).run(_flattened_dimensions, 30, timeout=120)
+    dp, tp = [[0, 2], [1, 3]], [[0, 1], [2, 3]]
+    for rank, (t, g) in enumerate(zip(tpu, gloo)):
+        assert t["wrong"] == g["wrong"] == [0, 0], (rank, t["wrong"], g["wrong"])
+        for dim, family in (("dp", dp), ("tp", tp), ("dp_cp", dp), ("cp_tp", tp)):
+            assert t[f"{dim}/ranks"] == g[f"{dim}/ranks"] and rank in t[f"{dim}/ranks"]
+            assert t[f"{dim}/family"] == family, (rank, dim, t[f"{dim}/family"])
+        # dp and dp_cp share their ranks: their calls' order was agreed on by the family's
+        # program over all four devices (two groups of two), as their own calls run, never
+        # by a program of the group's own (the worker's earlier tests may have built one).
+        assert (2, (0, 2, 1, 3)) in t["agreements"], (rank, t["agreements"])
+        assert all(groups == 2 for groups, _ in t["new_agreements"]), (rank, t)
+
+
+def test_the_agreement_family_of_a_device_set() -> None:
+    # Which family the order agreement over a device set runs as (_dispatch.DeviceSets): the
+    # one every live group over the set is of; a dimension in mesh (ring) order and one
+    # flattened to the same ranks, sorted, are one family; a group of none, or of another
+    # family, leaves the group's own program.
+    from tpu_dist.collectives._dispatch import DeviceSets
+
+    sets = DeviceSets()
+    row = (0, 1, 2, 3)
+    ring = ((0, 2, 3, 1), (4, 6, 7, 5))  # tpu_dist.mesh's order: a ring over the chips
+    first, second = sets.add(row), sets.add(row)
+    assert sets.shared(row) and sets.family(row) == ()
+    sets.set_family(row, first, ring)
+    assert sets.family(row) == ()  # the second is of no family yet
+    sets.set_family(row, second, ((4, 5, 6, 7), (0, 1, 2, 3)))
+    assert sets.family(row) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    third = sets.add(row)
+    sets.set_family(row, third, ((0, 1, 2, 3), (4, 5, 8, 9)))
+    assert sets.family(row) == ()
+    sets.remove(row, third)
+    assert sets.family(row) == ((0, 1, 2, 3), (4, 5, 6, 7))
+    sets.remove(row, second)
+    assert not sets.shared(row) and sets.add(row) == 3  # indices are never reused
+
+
 def _mesh_after_a_group_some_ranks_joined(rank: int, world_size: int) -> dict:
     from tpu_dist.mesh import init_device_mesh
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 pytest.importorskip("libtpu")
 
 from tpu_dist.collectives import _plan  # noqa: E402
+from tpu_dist.collectives._dispatch import agreement_key  # noqa: E402
 from tpu_dist.collectives.compile_only import (  # noqa: E402
     compile_collective,
     hlo_collectives,
@@ -168,6 +169,23 @@ def test_family_programs_compile_with_the_familys_groups(
             seen = _check(key, family, devices, topo)
         if slices > 1:
             assert "dcn" in seen, (name, seen)
+
+
+@pytest.mark.parametrize(("gen", "axis"), [("v5e", 0), ("v6e", 0)])
+def test_the_order_agreement_of_groups_over_the_same_ranks_compiles(gen: str, axis: int) -> None:
+    # Two groups over the same ranks (a mesh dimension and one flattened to the same ranks)
+    # agree on their calls' order with an all-gather (_dispatch.Dispatcher). Over part of a
+    # v5e or v6e slice only the family's program compiles; the group's own does not.
+    topo, devices = _world(gen, "16x16")
+    family = _family(plan_mesh(topo, (32, 8)), axis)
+    ids = [tuple(devices[r].id for r in g) for g in family]
+    key = agreement_key(ids[0], "tpu", tuple(ids), devices[0].device_kind)
+    assert key.groups == len(family), key
+    _check(key, family, devices, topo)
+    own = agreement_key(ids[0], "tpu", (), devices[0].device_kind)
+    with pytest.raises(Exception) as caught:
+        compile_collective(own, [devices[r] for r in family[0]])
+    assert part_of_slice_hint(own, str(caught.value)) is not None, str(caught.value)[:300]
 
 
 def test_a_group_over_part_of_a_v5e_slice_says_what_to_do() -> None:

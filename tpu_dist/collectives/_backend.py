@@ -173,6 +173,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._family_ranks = rows
         family = tuple(tuple(devices[r].id for r in g) for g in rows)
         self._view = dataclasses.replace(self._view, family=family)
+        self._pipeline.set_family(family)
 
     @property
     def timeout(self) -> timedelta:

@@ -22,7 +22,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, get_args
 
 import torch
 
@@ -84,7 +84,11 @@ class Dispatcher:
     order first: each rank offers its oldest waiting call's :data:`Ticket` in a small
     all-gather over the set (one extra program per call, only on shared sets), all take the
     smallest ticket offered, and each starts that call as soon as it has been issued locally.
-    One call starts per round, so every rank starts the same calls in the same order.
+    One call starts per round, so every rank starts the same calls in the same order. When
+    every group over the set is one of the same family (a mesh dimension and a dimension
+    flattened to the same ranks, as HSDP's and TorchTitan's meshes have), the all-gather is
+    that family's program, as the groups' own calls are (:func:`agreement_key`; TPU v5e and v6e
+    compile no other program over part of a slice).
     """
 
     def __init__(
@@ -92,10 +96,13 @@ class Dispatcher:
         programs: ProgramCache,
         to_jax: Callable[[torch.Tensor], object],
         to_torch: Callable[[object], torch.Tensor],
+        device_sets: DeviceSets,
     ) -> None:
         """``programs``: the process's compiled programs; ``to_jax``/``to_torch``: the runtime's
-        hand-off of a tensor to this rank's device and back (for the order agreement)."""
+        hand-off of a tensor to this rank's device and back (for the order agreement);
+        ``device_sets``: the process's groups by device set (the agreement's family)."""
         self._programs = programs
+        self._device_sets = device_sets
         self._to_jax = to_jax
         self._to_torch = to_torch
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -238,8 +245,8 @@ class Dispatcher:
     def _agree(self, devices: list, offer: Ticket) -> list[Ticket]:
         """All-gather every rank's offered ticket over ``devices`` (sorted by id)."""
         ids = tuple(d.id for d in devices)
-        key = _plan.program_key(
-            Kind.ALLGATHER, ids, ((len(offer), "int32"),), (), devices[0].platform
+        key = agreement_key(
+            ids, devices[0].platform, self._device_sets.family(ids), devices[0].device_kind
         )
         mine = self._to_jax(torch.tensor(offer, dtype=torch.int32))
         self._wait_for_others(ids, threading.get_ident())
@@ -251,6 +258,22 @@ class Dispatcher:
     def _one_started(self) -> None:
         with self._lock:
             self._queued -= 1
+
+
+def agreement_key(
+    device_ids: tuple[int, ...],
+    platform: str,
+    family: tuple[tuple[int, ...], ...] = (),
+    device_kind: str = "",
+) -> ProgramKey:
+    """The program the ranks of a shared device set agree on their calls' order with: an
+    all-gather of each rank's :data:`Ticket` over ``device_ids``; given the ``family`` (device
+    ids of each group) that every group over the set belongs to, that family's program where
+    the group's calls run as family programs (:func:`._plan.program_key`)."""
+    blocks = ((len(get_args(Ticket)), "int32"),)
+    return _plan.program_key(
+        Kind.ALLGATHER, device_ids, blocks, (), platform, family, device_kind
+    )
 
 
 def device_set_of(devices: Sequence) -> tuple[int, ...]:
@@ -320,28 +343,53 @@ class P2PQueue:
 
 
 class DeviceSets:
-    """How many "tpu" groups of this process are over each set of devices (sorted ids).
+    """How many "tpu" groups of this process are over each set of devices (sorted ids), and the
+    family each is one of.
 
-    The same on every member rank, since groups are created (and destroyed) by every member in
-    the same order; a group's index on its set (:meth:`add`) is never reused.
+    The same on every member rank, since groups are created (and destroyed) and registered as
+    one of a family by every member in the same order; a group's index on its set
+    (:meth:`add`) is never reused.
     """
 
     def __init__(self) -> None:
-        self._live: dict[tuple[int, ...], int] = {}
+        # Per device set: the family (sorted device ids of each group, the groups sorted; ()
+        # for none) of each live group, by its index on the set.
+        self._live: dict[tuple[int, ...], dict[int, tuple[tuple[int, ...], ...]]] = {}
         self._created: dict[tuple[int, ...], int] = {}
+        self._lock = threading.Lock()  # groups are made on one thread, agreed on on another
 
     def add(self, device_set: tuple[int, ...]) -> int:
         """Count a new group over ``device_set``; returns its index among the groups ever
         created over that set."""
-        index = self._created.get(device_set, 0)
-        self._created[device_set] = index + 1
-        self._live[device_set] = self._live.get(device_set, 0) + 1
+        with self._lock:
+            index = self._created.get(device_set, 0)
+            self._created[device_set] = index + 1
+            self._live.setdefault(device_set, {})[index] = ()
         return index
 
-    def remove(self, device_set: tuple[int, ...]) -> None:
-        """A group over ``device_set`` was destroyed."""
-        self._live[device_set] -= 1
+    def set_family(
+        self, device_set: tuple[int, ...], index: int, family: tuple[tuple[int, ...], ...]
+    ) -> None:
+        """The group ``index`` over ``device_set`` is one of ``family`` (device ids of each
+        group; () for none). Families are compared as sets of device sets: a dimension in
+        mesh order and one flattened to the same ranks, sorted, are one family."""
+        same = tuple(sorted(tuple(sorted(group)) for group in family))
+        with self._lock:
+            self._live[device_set][index] = same
+
+    def remove(self, device_set: tuple[int, ...], index: int) -> None:
+        """The group ``index`` over ``device_set`` was destroyed."""
+        with self._lock:
+            del self._live[device_set][index]
 
     def shared(self, device_set: tuple[int, ...]) -> bool:
         """Whether two or more live groups run over ``device_set`` (of two or more devices)."""
-        return len(device_set) >= 2 and self._live.get(device_set, 0) >= 2
+        with self._lock:
+            return len(device_set) >= 2 and len(self._live.get(device_set, ())) >= 2
+
+    def family(self, device_set: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """The family every live group over ``device_set`` is one of (as :meth:`set_family`
+        keeps it), or () when one is of none or two are of different families."""
+        with self._lock:
+            families = set(self._live.get(device_set, {}).values())
+        return families.pop() if len(families) == 1 else ()

@@ -75,6 +75,9 @@ class GroupPipeline(Protocol):
     def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
         """A work that ``before_wait`` completes (a receive from any source)."""
 
+    def set_family(self, family: tuple[tuple[int, ...], ...]) -> None:
+        """The group is now one of ``family`` (device ids of each group; () for none)."""
+
     def close(self) -> None:
         """The group was destroyed."""
 
@@ -122,11 +125,17 @@ class Pipeline:
         self._unfinished: collections.deque[TPUWork] = collections.deque()
         self._unfinished_lock = threading.Lock()
 
+    def set_family(self, family: tuple[tuple[int, ...], ...]) -> None:
+        """The group is now one of ``family``: the order agreement over its devices runs as
+        that family's program when every group over them is one of it (see _dispatch)."""
+        if self._live:
+            self._s.device_sets.set_family(self._device_set, self._index_in_set, family)
+
     def close(self) -> None:
         """The group was destroyed: it no longer shares its devices."""
         if self._live:
             self._live = False
-            self._s.device_sets.remove(self._device_set)
+            self._s.device_sets.remove(self._device_set, self._index_in_set)
 
     # -- collectives -----------------------------------------------------------------------
 

@@ -194,9 +194,11 @@ class Runtime:
         self.disk_cache = _compile_cache.CompileCache()
         """The on-disk compile cache as this process uses it (its checked, open directories)."""
         self.programs = _lowering.ProgramCache(self.jaxlib, self.disk_cache)
-        self.dispatcher = _dispatch.Dispatcher(self.programs, self.to_jax, self.to_torch)
-        self.p2p = _dispatch.P2PQueue()
         self.device_sets = _dispatch.DeviceSets()
+        self.dispatcher = _dispatch.Dispatcher(
+            self.programs, self.to_jax, self.to_torch, self.device_sets
+        )
+        self.p2p = _dispatch.P2PQueue()
         self.completer = _work.Completer()
         self.watchdog: _watchdog.Watchdog | None = None
         """Started with the default group (:meth:`start_watchdog`); None before, and in

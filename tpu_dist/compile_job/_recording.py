@@ -243,5 +243,8 @@ class RecordingPipeline:
     def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
         return TPUWork(description, before_wait=before_wait)
 
+    def set_family(self, family: tuple[tuple[int, ...], ...]) -> None:
+        pass  # nothing is dispatched, so no order is agreed on
+
     def close(self) -> None:
         pass

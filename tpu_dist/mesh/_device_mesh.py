@@ -198,19 +198,23 @@ def register_mesh(mesh: DeviceMesh) -> None:
     their collectives run as one program over the whole family (TPU v5e and v6e compile
     collectives over part of a slice only so; see ``tpu_dist/ARCHITECTURE.md``).
 
-    :func:`init_device_mesh` does this itself. Call it for a mesh made any other way (torch's
-    ``init_device_mesh("cpu", ...)`` on a "tpu" world, ``DeviceMesh(...)``): on every rank,
-    right after creating the mesh, before its first collective. A dimension whose group is
-    not a "tpu" group (a gloo mesh), or is the whole world, is left as it is. The mesh's
-    groups must be the ones of its dimensions in mesh order (torch's own meshes sort each
-    group's ranks; both forms are recognised).
+    Registers every dimension of the mesh ``mesh`` was sliced from (its root; ``mesh`` may be
+    a sub-mesh such as ``mesh["tp"]``) and every dimension flattened from it so far
+    (``mesh["dp", "cp"]._flatten("dp_cp")``, as HSDP and TorchTitan do). :func:`init_device_mesh`
+    registers its mesh itself. Call it for a mesh made any other way (torch's
+    ``init_device_mesh("cpu", ...)`` on a "tpu" world, ``DeviceMesh(...)``), and again after
+    flattening dimensions: on every rank, after creating the mesh (or the flattened
+    dimension), before the new groups' first collective. Registering a group again is
+    harmless. A dimension whose group is not a "tpu" group (a gloo mesh), or is the whole
+    world, is left as it is. The mesh's groups must be the ones of its dimensions in mesh
+    order (torch's own meshes sort each group's ranks; both forms are recognised).
 
     Every rank of a family must then call the same collectives on its group at the same points
     (as DeviceMesh users do): on TPU, every device of a family program takes part in it. On
     CPU only the group's own ranks take part, as before.
 
     Raises:
-        ValueError: a dimension's group is not the ranks of this rank's line of ``mesh``
+        ValueError: a dimension's group is not the ranks of this rank's line of the mesh
             along that dimension (in mesh order or sorted).
     """
     import torch.distributed as dist
@@ -218,26 +222,46 @@ def register_mesh(mesh: DeviceMesh) -> None:
     devices = world_devices()
     if devices is None:  # no "tpu" default group: nothing to tell
         return
-    ranks = mesh.mesh.cpu().numpy()
-    for dim in range(ranks.ndim):
-        group = mesh.get_group(dim)
+    for name, lines, group in _dimensions(mesh):
         backend = _tpu_backend(group)
         if backend is None:
             continue
-        lines = np.moveaxis(ranks, dim, -1).reshape(-1, ranks.shape[dim]).tolist()
         mine = dist.get_process_group_ranks(group)
         if mine not in lines and mine == sorted(mine):
             lines = [sorted(line) for line in lines]
         if mine not in lines:
-            name = (mesh.mesh_dim_names or ())[dim:dim + 1] or (dim,)
             raise ValueError(
-                f"register_mesh: dimension {name[0]!r}'s group on rank {dist.get_rank()} has "
+                f"register_mesh: dimension {name!r}'s group on rank {dist.get_rank()} has "
                 f"ranks {mine}, which is not a line of the mesh along that dimension (the "
                 f"mesh's lines there are like {lines[0]}); register a mesh whose groups are "
                 "its own dimensions' (torch.distributed.device_mesh.init_device_mesh or "
                 "tpu_dist.mesh.init_device_mesh)."
             )
         backend.set_family(lines, devices)
+
+
+def _dimensions(mesh: DeviceMesh) -> list[tuple[Any, list[list[int]], Any]]:
+    """(name, the ranks of every line along it, this rank's group) for each dimension of
+    ``mesh``'s root mesh, then for each dimension flattened from it.
+
+    torch keeps the root and its flattened meshes on every mesh sliced from it
+    (``_get_root_mesh``, ``_flatten_mapping``: torch 2.13 and 2.14); a mesh without them
+    stands for itself, with no flattened dimensions.
+    """
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else mesh
+    ranks = root.mesh.cpu().numpy()
+    names = root.mesh_dim_names or tuple(range(ranks.ndim))
+    found = [
+        (names[dim], np.moveaxis(ranks, dim, -1).reshape(-1, ranks.shape[dim]).tolist(),
+         root.get_group(dim))
+        for dim in range(ranks.ndim)
+    ]
+    for name, flat in getattr(root, "_flatten_mapping", {}).items():
+        # Every line of the flattened dimension, as torch made its groups from them.
+        lines = flat._layout.remap_to_tensor(flat._rank_map).reshape(-1, flat.size())
+        found.append((name, lines.tolist(), flat.get_group()))
+    return found
 
 
 def _tpu_backend(group: Any) -> Any:
