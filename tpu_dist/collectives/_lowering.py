@@ -309,7 +309,8 @@ def part_of_slice_hint(key: ProgramKey, message: str) -> str | None:
         f"this TPU generation compiles a collective over part of a slice (here a group of "
         f"{len(key.devices)} devices) only as one program over the whole family of groups it "
         "belongs to: make the group a mesh dimension (tpu_dist.mesh.init_device_mesh), or "
-        "register a torch DeviceMesh with tpu_dist.mesh.register_mesh(mesh) on every rank; a "
+        "register a torch DeviceMesh with tpu_dist.mesh.register_mesh(mesh) on every rank "
+        "(after its _flatten() calls, for flattened dimensions); a "
         "new_group used by only some ranks, and send/recv between two ranks, cannot run on "
         "v5e, and only on some device sets of v6e"
     )
