@@ -941,10 +941,15 @@ def _serve(rank: int, config: _WorkerConfig, conn: multiprocessing.connection.Co
             reply: tuple[Any, ...] = ("error", _format_exception(exc))
         else:
             _reply(conn, ("loaded",))
+            before = _live_groups()
             try:
                 reply = ("ok", fn(rank, config.world_size, *args, **kwargs))
             except BaseException as exc:
                 reply = ("error", _format_exception(exc, skip_frames=1))
+            try:
+                _destroy_groups_since(before)
+            except BaseException as exc:  # the world is broken: the test says so
+                reply = ("error", _format_exception(exc))
         sys.stdout.flush()
         sys.stderr.flush()
         _reply(conn, reply)
@@ -953,6 +958,33 @@ def _serve(rank: int, config: _WorkerConfig, conn: multiprocessing.connection.Co
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _live_groups() -> list[Any]:
+    """This rank's process groups (the default group's subgroups it is a member of)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return []
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def _destroy_groups_since(before: list[Any]) -> None:
+    """Destroy the groups the body made on this rank (whether it returned or raised), newest
+    first, as a process that ends destroys them: the next body starts with the groups the
+    world started with.
+
+    Groups a body leaves behind would otherwise share their ranks with the next bodies' groups,
+    and every call on ranks that two live "tpu" groups share is ordered by an agreement
+    program first (``tpu_dist.collectives._dispatch.Dispatcher``): the later tests of a module
+    would run slower than they do alone, and not as a user's process runs them.
+    """
+    import torch.distributed as dist
+
+    known = set(map(id, before))
+    for group in reversed(_live_groups()):
+        if id(group) not in known and group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 def _reply(conn: multiprocessing.connection.Connection, reply: tuple[Any, ...]) -> None:
