@@ -9,6 +9,7 @@ analytic FLOP count and the overlap rule.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpu_dist.compile_job import CompiledCall, StepMeter, StepRecord, step_report
 from tpu_dist.compile_job._step import step_svg
@@ -76,6 +78,52 @@ def test_meter_counts_each_step_by_hand() -> None:
     assert second.peak_breakdown["Parameter"] == 5_120
     assert second.peak_breakdown["Optstate"] == 10_240 + 3 * 4
     assert second.peak_bytes == sum(second.peak_breakdown.values())
+
+
+class _OpCount(TorchDispatchMode):
+    """A script's own dispatch mode: counts the ops it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("own_mode", [False, True])
+def test_only_the_first_two_steps_are_measured(own_mode: bool) -> None:
+    """Five steps: the first two are measured (as in test_meter_counts_each_step_by_hand), the
+    other three only counted; the meter's modes stay on torch's mode stack to the end, passing
+    every op through, and a mode the script pushed above them keeps seeing every op. The
+    results are those of the same steps without the meter."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    def run(meter: StepMeter | None) -> tuple[torch.Tensor, list, int]:
+        torch.manual_seed(0)
+        model = _Tiny()
+        ids = torch.randint(0, 32, (2, 8))
+        stacks, own = [], _OpCount()
+        with meter if meter is not None else contextlib.nullcontext():
+            with own if own_mode else contextlib.nullcontext():
+                for _ in range(5):
+                    _train(model, 1, ids)
+                    stacks.append(len(_get_current_dispatch_mode_stack()))
+        return model.out.weight.detach().clone(), stacks, own.ops
+
+    meter = StepMeter()
+    measured, stacks, ops = run(meter)
+    plain, plain_stacks, plain_ops = run(None)
+    assert torch.equal(measured, plain)
+    assert [s.index for s in meter.steps] == [0, 1] and meter.steps_run == 5
+    assert [s.flops for s in meter.steps] == [102_400, 102_400]
+    assert meter.chosen() is meter.steps[1] and meter.error is None
+    assert meter.chosen().peak_breakdown["Parameter"] == 5_120
+    assert stacks == [3 + own_mode] * 5, stacks  # the meter's three stay
+    assert plain_stacks == [int(own_mode)] * 5 and ops == plain_ops
+    assert ops > 0 or not own_mode
+    assert len(_get_current_dispatch_mode_stack()) == 0
 
 
 def test_dtensor_ops_count_once_on_the_local_shard() -> None:
@@ -229,6 +277,28 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dic
     )
     data = json.loads(report.read_text()) if report.exists() else {}
     return proc.returncode, proc.stdout + proc.stderr, data, str(tmp / "report.step.svg")
+
+
+def test_the_steps_after_the_measured_ones_are_recorded_too(tmp_path) -> None:
+    """Three steps of the FSDP2 x TP example with fake logits (sequence 2,048: large tensors),
+    the third past the two the meter measures: each step's three loss_parallel cross-entropy
+    all-reduces over tp (funcol calls on the vocab-sharded logits) are recorded, 9 in all. With
+    the meter's dispatch modes popped after the second step they were recorded only while
+    measured (6)."""
+    pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpu_dist.launch", "--emulate", "tpu7x:2x2x4", "--compile-only",
+         "--compile-report", str(report), EXAMPLE, "--steps", "3", "--seq-len", "2048"],
+        env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(report.read_text())
+    loss = [row for row in data["collectives"] if "cross_entropy(" in row["first_call"]
+            and row["op"] == "all_reduce" and row["mesh_dim"] == "tp"]
+    assert sum(row["count"] for row in loss) == 3 * 3, loss
+    assert (data["step"]["step_index"], data["step"]["steps_run"]) == (1, 3), data["step"]
 
 
 def test_example_step_object(example_run: tuple[int, str, dict, str]) -> None:

@@ -154,7 +154,7 @@ class Session:
         if record is None:
             return report
         step = step_report(
-            record, len(self.meter.steps), list(report.collectives),
+            record, self.meter.steps_run, list(report.collectives),
             [c.per_step.get(record.index, 0) for c in calls], topology,
         )
         return dataclasses.replace(report, step=step)
