@@ -282,9 +282,10 @@ def example_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dic
 def test_the_steps_after_the_measured_ones_are_recorded_too(tmp_path) -> None:
     """Three steps of the FSDP2 x TP example with fake logits (sequence 2,048: large tensors),
     the third past the two the meter measures: each step's three loss_parallel cross-entropy
-    all-reduces over tp (funcol calls on the vocab-sharded logits) are recorded, 9 in all. With
-    the meter's dispatch modes popped after the second step they were recorded only while
-    measured (6)."""
+    all-reduces over tp (funcol calls on the vocab-sharded logits) are recorded, 9 in all.
+    (Before ``LargeTensorsFake`` left DTensor ops to DTensor, they were recorded only while the
+    meter's modes were above it: 6 with the modes popped after the second step, 0 with no
+    meter; test_collectives_dtensor_issues_on_fake_tensors_reach_the_recording.)"""
     pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
     report = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -400,6 +401,44 @@ def test_fake_memory_estimate_matches_a_real_four_rank_run() -> None:
     assert fake["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.10)
     # The default global batch, 8 sequences, over dp 2: 4 x 128 tokens per dp rank, over tp 2.
     assert fake["flops"] == real["flops"] and fake["tokens"] == real["tokens"] == 4 * 128 / 2
+
+
+def test_collectives_dtensor_issues_on_fake_tensors_reach_the_recording(monkeypatch) -> None:
+    """loss_parallel's cross-entropy on vocab-sharded logits large enough to be fake: DTensor
+    runs it on its local tensors and issues three all-reduces over tp (max, sum of exps, the
+    target logits) from inside its dispatch. Under :class:`LargeTensorsFake` alone (no step
+    meter above it) each must come back to the mode, which hands it to its group
+    (``_fake._issue``; torch's fake process group here, so nothing more happens). They used to
+    run with the mode set aside and were never recorded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from tpu_dist.compile_job import LargeTensorsFake, _fake
+
+    issued: list[str] = []
+    real_issue = _fake._issue
+
+    def spy(func, args, out):
+        issued.append(func._schema.name.split("::")[-1])
+        return real_issue(func, args, out)
+
+    monkeypatch.setattr(_fake, "_issue", spy)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with LargeTensorsFake() as fake:
+            local = torch.randn(2048, 64)  # 131,072 elements: fake
+            logits = DTensor.from_local(local, mesh, [Shard(1)])
+            targets = torch.randint(0, 128, (2048,))
+            with loss_parallel():
+                F.cross_entropy(logits, targets)
+        assert fake.faked >= 1
+        assert issued.count("all_reduce") == 3, issued
+    finally:
+        dist.destroy_process_group()
 
 
 def _fsdp_layouts(world: int, rank: int, lazy: bool) -> tuple[list[tuple], int]:

@@ -19,7 +19,9 @@ The rule, per op:
   real one;
 * every other op (real inputs only) runs for real;
 * a functional collective (DTensor's, TP's) on fake tensors is handed to its "tpu" group as
-  its real kernel would hand it (:func:`_issue`), so it is recorded like any other call.
+  its real kernel would hand it (:func:`_issue`), so it is recorded like any other call;
+* an op on DTensors is left to DTensor, which runs it on its local tensors under this mode
+  (the rules above then apply to those).
 
 Reading a fake tensor's value back to Python (``.item()``, ``float(t)``, ``bool(t)``, so also
 printing a loss) gives a placeholder, 0 of the tensor's type, not an error: the values of a
@@ -87,6 +89,12 @@ class LargeTensorsFake(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
     ) -> Any:
+        if any(_is_dtensor_type(t) for t in types):
+            # DTensor runs the op itself, on its local tensors, while this mode stays active:
+            # the local ops (and the functional collectives DTensor issues, loss_parallel's
+            # all-reduces among them) come back here. Run here instead, they ran with this mode
+            # set aside, and a collective on fake local tensors was never recorded.
+            return NotImplemented
         kwargs = kwargs or {}
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
@@ -106,6 +114,12 @@ class LargeTensorsFake(TorchDispatchMode):
                 self.faked += len(outputs)
                 return shaped
         return func(*args, **kwargs)
+
+
+def _is_dtensor_type(t: type) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return issubclass(t, DTensor)
 
 
 def _issue(func: Any, args: tuple, out: Any) -> None:

@@ -34,10 +34,8 @@ or the first of a script that runs one) and the compiled collectives into the re
 ``"step"`` object. **Only the first two steps are measured**: after the second the meter's modes
 and hooks pass every op through (the README's 20-step example on ``tpu7x:16x16x16``: the script
 13 s -> 8.6 s); the steps are still counted and the recorder still files each call under its
-step. The modes stay on torch's mode stack until the script ends: popped after the second step,
-loss_parallel's cross-entropy all-reduces (funcol calls on the vocab-sharded logits) were no
-longer recorded in the later steps (measured: 60 calls in 20 steps recorded as 6), nor at all
-with no meter around the script.
+step. The modes stay on torch's mode stack until the script ends (popping them saved nothing
+more).
 
 The meter never fails the script. When one of its parts raises on something the script does
 (measured: MemTracker on an ``nn.Embedding(sparse=True)``'s sparse gradient, ``Cannot access
