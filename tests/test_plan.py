@@ -148,7 +148,29 @@ def test_even_all_to_all_is_one_program() -> None:
     out = torch.empty(4, 2, dtype=torch.int16)
     plan = _plan.all_to_all_single(CPU4, out, x, [], [])
     assert plan.then is None
-    assert plan.key == ProgramKey("alltoall", (0, 1, 2, 3), ((8, "int16"),), (), "xla")
+    # Each peer's chunk is two int16s: one 32-bit word (exchange_words), the same bytes.
+    assert plan.key == ProgramKey("alltoall", (0, 1, 2, 3), ((4, "int32"),), (), "xla")
+    assert torch.equal(plan.blocks[0].view(torch.int16), x.view(-1))
+    plan.finish([torch.arange(100, 108, dtype=torch.int16).view(torch.int32)])
+    assert out.view(-1).tolist() == list(range(100, 108))
+
+
+@pytest.mark.parametrize(("dtype", "rows", "word"), [
+    (torch.bfloat16, 8, "int32"), (torch.bfloat16, 24, "int32"), (torch.bfloat16, 12, "int16"),
+    (torch.bfloat16, 4, "int16"), (torch.int8, 16, "int32"), (torch.uint8, 8, "int8"),
+    (torch.bool, 4, "int8"),
+    (torch.float32, 4, "int32"), (torch.float64, 4, "int32"),
+])
+def test_even_all_to_all_moves_32_bit_words_where_each_chunk_is_whole_ones(
+    dtype: torch.dtype, rows: int, word: str
+) -> None:
+    # 4 peers: a chunk is rows / 4 elements; narrower words only when a chunk is no whole
+    # number of 32-bit words. The program's blocks hold the tensor's own bytes.
+    x = (torch.arange(rows) % 7 + 1).to(dtype)
+    plan = _plan.all_to_all_single(CPU4, torch.empty_like(x), x, [], [])
+    ((length, name),) = plan.key.blocks
+    assert name == word and length * plan.blocks[0].element_size() == x.numel() * x.element_size()
+    assert plan.blocks[0].view(torch.uint8).tolist() == x.view(torch.uint8).tolist()
 
 
 def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
@@ -168,6 +190,22 @@ def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
     # nothing to move anywhere: no second program
     empty = _plan.all_to_all_single(CPU2, torch.zeros(0), torch.zeros(0), [0, 0], [0, 0])
     assert empty.then([torch.tensor([0])]).key is None
+
+
+def test_uneven_all_to_all_of_bf16_pads_its_rows_to_32_bit_words() -> None:
+    # rank 0 of 2 sends 1 element to itself and 2 to rank 1; the widest chunk agreed is 3
+    # elements, padded to 4 (two 32-bit words a row); rank 1 sent it 3.
+    x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    out = torch.zeros(4, dtype=torch.bfloat16)
+    plan = _plan.all_to_all_single(CPU2, out, x, [1, 3], [1, 2])
+    padded = plan.then(plan.finish([torch.tensor([3])]))
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((4, "int32"),), (), "xla")
+    rows = padded.blocks[0].view(torch.bfloat16).view(2, 4)
+    assert rows.tolist() == [[1.0, 0.0, 0.0, 0.0], [2.0, 3.0, 0.0, 0.0]]
+    # what rank 0 gets back: its own row 0, then rank 1's row for it (7, 8, 9)
+    got = torch.tensor([[1.0, 0, 0, 0], [7.0, 8.0, 9.0, 0]], dtype=torch.bfloat16)
+    padded.finish([got.view(-1).view(torch.int32)])
+    assert out.tolist() == [1.0, 7.0, 8.0, 9.0]
 
 
 def test_empty_blocks_stay_out_of_the_program() -> None:

@@ -283,6 +283,23 @@ def test_whole_512_device_tpu7x_slice_compiles(op: str) -> None:
     assert found.replica_groups == (tuple(range(512)),)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_a_large_narrow_all_to_all_compiles_on_tpu7x(dtype: torch.dtype) -> None:
+    # all_to_all_single of 32 MiB a rank over 4 TPU7x devices: as 16- or 8-bit words libtpu
+    # 0.0.52 refused it ("async-update instruction should have 1 operands but sees 2"); the
+    # plan moves the same bytes as 32-bit words (_plan.exchange_words), which compile.
+    devices = _tpu7x("4x4x4")[:4]
+    view = _plan.GroupView(0, 4, tuple(d.id for d in devices), "tpu", tuple(range(4)),
+                           device_kind=devices[0].device_kind)
+    n = (32 << 20) // dtype.itemsize
+    key = _plan.all_to_all_single(
+        view, torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype), [], []
+    ).key
+    (found,) = compile_collective(key, devices).collectives
+    assert found.op == "all-to-all" and found.replica_groups == ((0, 1, 2, 3),)
+    assert key.blocks == ((8 << 20, "int32"),), key.blocks
+
+
 def test_compiler_options_come_from_the_generation() -> None:
     # TPU7x programs get the generation's options; other TPUs and the CPU get none, however
     # small the program (small CPU programs' own options: tests/test_compile_options.py).

@@ -343,6 +343,27 @@ def words(tensor: torch.Tensor) -> torch.Tensor:
     return block.view(_WORD_DTYPES.get(block.element_size(), torch.int32))
 
 
+def exchange_words(block: torch.Tensor, parts: int) -> torch.Tensor:
+    """Raw words (:func:`words`' block) to move in ``parts`` equal parts (an all-to-all's
+    chunks, one per peer), as 32-bit words when each part is a whole number of them.
+
+    The same bytes; only the word width changes, and it depends only on the shape and dtype
+    (so every rank picks the same program). libtpu 0.0.52 compiles an all-to-all of 16- or
+    8-bit words slowly and, from some size on, not at all, where 32-bit words of the same
+    bytes take a fraction of a second: 32 MiB a rank over 4 devices, bf16 12-28 s on v5e, v6e
+    and v5p and ``RET_CHECK ... async-update`` on TPU7x (int8 too), float32 0.3 s on each (and
+    128 MiB 0.3 s on TPU7x) (benchmarks/README.md, E55). The uneven all-to-all pads its rows
+    to whole 32-bit words for the same reason.
+    """
+    ratio = 4 // block.element_size() if block.element_size() < 4 else 1
+    if ratio == 1 or block.numel() % (ratio * parts):
+        return block
+    try:
+        return block.view(torch.int32)
+    except RuntimeError:  # a view at an offset that is no multiple of 4 bytes: an aligned copy
+        return block.clone().view(torch.int32)
+
+
 def word_count(tensor: torch.Tensor) -> int:
     """How many words :func:`words` makes of ``tensor``."""
     size = tensor.element_size()
@@ -868,7 +889,8 @@ def all_to_all_single(
     if not input_split_sizes and not output_split_sizes:
         _checks.check_splits(op, [], size, in_rows, "input")
         _checks.check_numel(op, output, input.numel(), "output")
-        return _program(group, op, Kind.ALLTOALL, (), [words(input)], _writes([output]))
+        block = exchange_words(words(input), size)
+        return _program(group, op, Kind.ALLTOALL, (), [block], _writes([output]))
     send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
     recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
     row = word_count(input.new_empty(input.shape[1:]))  # words per row (0 rows: no input[0])
@@ -929,15 +951,21 @@ def _uneven_all_to_all(
         width = int(outputs[0].item())
         if width == 0:
             return _completed(op, finish([c.new_empty(0) for c in send_chunks]))
+        # Rows of whole 32-bit words where the words are narrower (exchange_words): at most 3
+        # bytes more padding a chunk, decided by the agreed width and the dtype alone.
+        word = send_chunks[0].dtype
+        ratio = 4 // send_chunks[0].element_size() if send_chunks[0].element_size() < 4 else 1
+        width = -(-width // ratio) * ratio
         rows = send_chunks[0].new_zeros(size, width)
         for peer, chunk in enumerate(send_chunks):
             rows[peer, : chunk.numel()] = chunk
 
         def unpad(results: list[torch.Tensor]) -> list[torch.Tensor]:
-            received = results[0].view(size, width)
+            received = results[0].view(word).view(size, width)
             return finish([received[peer, : recv_counts[peer]] for peer in range(size)])
 
-        return _program(group, op, Kind.ALLTOALL, (), [rows.view(-1)], unpad)
+        block = exchange_words(rows.view(-1), size)
+        return _program(group, op, Kind.ALLTOALL, (), [block], unpad)
 
     agree = _program(
         group, op, Kind.ALLREDUCE, ("MAX",), [agreed], lambda results: [agreed.copy_(results[0])]
