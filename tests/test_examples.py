@@ -231,23 +231,32 @@ def test_readme_compile_only_command_runs_with_the_default_batch(tmp_path: Path)
     plan.json examples/train_fsdp_tp.py`` (8,192 devices: 33-37 s, 0.76 GiB peak, by hand) on
     ``tpu7x:2x2x4``: 32 devices, a (16, 2) mesh. The old default batch of 8 did not split over 16
     data-parallel ranks (exit 1, ``ValueError: global batch 8 does not split over 16``); the
-    default is now one sequence per data-parallel rank. Two steps instead of 20 (the same
-    programs). libtpu loads in this run: none of its start-up lines may show."""
+    default is now one sequence per data-parallel rank. Three steps instead of 20 (the same
+    programs) at sequence 2,048, so that the logits are fake tensors: every call of the third
+    step, which the step meter no longer measures, must be recorded too (loss_parallel's three
+    cross-entropy all-reduces a step, issued from inside DTensor's dispatch, were recorded only
+    while the meter's modes sat above the fake mode). libtpu loads in this run: none of its
+    start-up lines may show."""
     pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu (pip install libtpu)")
     report = tmp_path / "plan.json"
     proc = subprocess.run(
         [sys.executable, "-m", "tpu_dist.launch", "--emulate", "tpu7x:2x2x4", "--compile-only",
-         "--compile-report", str(report), "examples/train_fsdp_tp.py", "--steps", "2"],
+         "--compile-report", str(report), "examples/train_fsdp_tp.py", "--steps", "3",
+         "--seq-len", "2048"],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-4000:]}"
     first = proc.stdout.splitlines()[0]
-    assert first.startswith("FSDP2 x TP on mesh [[0, 1], ") and first.endswith("global batch 16x32"), first
+    assert first.startswith("FSDP2 x TP on mesh [[0, 1], ") and first.endswith("global batch 16x2048"), first
     data = json.loads(report.read_text())
     assert data["num_devices"] == 32 and data["collectives"]
     assert all(row["compiled"] for row in data["collectives"]), data
     assert {row["mesh_dim"] for row in data["collectives"]} >= {"dp", "tp"}
+    loss = [row for row in data["collectives"] if "cross_entropy(" in row["first_call"]
+            and row["op"] == "all_reduce" and row["mesh_dim"] == "tp"]
+    assert sum(row["count"] for row in loss) == 3 * 3, loss
+    assert (data["step"]["step_index"], data["step"]["steps_run"]) == (1, 3), data["step"]
     assert not _libtpu_noise(proc.stderr), proc.stderr[-4000:]
 
 
