@@ -9,6 +9,7 @@ through the backend under test.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import torch.distributed as dist
@@ -142,3 +143,34 @@ def mismatch(name: str, got: torch.Tensor, want: torch.Tensor, world_size: int) 
     if ok:
         return None
     return f"{name}: got {got.flatten()[:6].tolist()}, want {want.flatten()[:6].tolist()}"
+
+
+def all_reduce_from_two_threads(
+    groups: list, rank: int, ranks: list[int], sizes: tuple[int, int], iters: int
+) -> list[int]:
+    """Two threads all-reduce at once, thread ``w`` ``iters`` times on ``groups[w]`` (``sizes[w]``
+    elements, values that differ per thread, call and rank); returns the wrong results of each
+    thread (a result is right when it is the sum over ``ranks``). A thread's error is raised."""
+    wrong = [0, 0]
+    errors: list[BaseException] = []
+
+    def loop(which: int) -> None:
+        try:
+            base = 1000.0 * (which + 1)
+            for i in range(iters):
+                x = torch.full((sizes[which],), base + i + rank)
+                dist.all_reduce(x, group=groups[which])
+                expected = sum(base + i + r for r in ranks)
+                if not torch.equal(x, torch.full_like(x, expected)):
+                    wrong[which] += 1
+        except BaseException as err:  # reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=loop, args=(w,)) for w in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return wrong

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.collective_cases import all_reduce_from_two_threads
 from tests.harness import World
 
 BACKENDS = ["tpu", "gloo"]
@@ -31,28 +32,7 @@ def _two_threads_two_groups(rank: int, world_size: int, sizes: tuple[int, int], 
     """Each thread all-reduces on its own group over every rank; returns wrong results per thread."""
     ranks = list(range(world_size))
     groups = [dist.new_group(ranks), dist.new_group(ranks)]
-    wrong = [0, 0]
-    errors: list[BaseException] = []
-
-    def loop(which: int) -> None:
-        try:
-            base = 1000.0 * (which + 1)
-            for i in range(iters):
-                x = torch.full((sizes[which],), base + i + rank)
-                dist.all_reduce(x, group=groups[which])
-                expected = sum(base + i + r for r in ranks)
-                if not torch.equal(x, torch.full_like(x, expected)):
-                    wrong[which] += 1
-        except BaseException as err:  # reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=loop, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
+    wrong = all_reduce_from_two_threads(groups, rank, ranks, sizes, iters)
     for g in groups:
         dist.destroy_process_group(g)
     return wrong

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.collective_cases import all_reduce_from_two_threads
+
 
 _TPU = {"world_size": 4, "backend": "tpu"}
 
@@ -191,8 +193,6 @@ def _flattened_dimensions(rank: int, world_size: int, iters: int) -> dict:
     """A (dp 2, cp 1, tp 2) torch mesh with two flattened dimensions (TorchTitan's meshes with
     cp = 1: ``dp_cp`` has dp's ranks, ``cp_tp`` tp's), registered through a sub-mesh; then two
     threads all-reduce at once on dp and on dp_cp, two groups over the same ranks."""
-    import threading
-
     from torch.distributed.device_mesh import init_device_mesh
 
     from tpu_dist.mesh import register_mesh
@@ -210,28 +210,7 @@ def _flattened_dimensions(rank: int, world_size: int, iters: int) -> dict:
         out[f"{dim}/family"] = getattr(group, "family", None)
     groups = [meshes["dp"].get_group(), meshes["dp_cp"].get_group()]
     before = _agreement_programs()
-    ranks = out["dp/ranks"]
-    wrong, errors = [0, 0], []
-
-    def loop(which: int) -> None:
-        try:
-            base = 1000.0 * (which + 1)
-            for i in range(iters):
-                x = torch.full((1000 - 500 * which,), base + i + rank)
-                dist.all_reduce(x, group=groups[which])
-                if not torch.equal(x, torch.full_like(x, sum(base + i + r for r in ranks))):
-                    wrong[which] += 1
-        except BaseException as err:  # reported below
-            errors.append(err)
-
-    threads = [threading.Thread(target=loop, args=(w,)) for w in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    out["wrong"] = wrong
+    out["wrong"] = all_reduce_from_two_threads(groups, rank, out["dp/ranks"], (1000, 500), iters)
     out["agreements"] = _agreement_programs()
     out["new_agreements"] = sorted(set(out["agreements"]) - set(before))
     return out

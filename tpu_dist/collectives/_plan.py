@@ -355,13 +355,18 @@ def exchange_words(block: torch.Tensor, parts: int) -> torch.Tensor:
     128 MiB 0.3 s on TPU7x) (benchmarks/README.md, E55). The uneven all-to-all pads its rows
     to whole 32-bit words for the same reason.
     """
-    ratio = 4 // block.element_size() if block.element_size() < 4 else 1
+    ratio = _per_word32(block)
     if ratio == 1 or block.numel() % (ratio * parts):
         return block
     try:
         return block.view(torch.int32)
     except RuntimeError:  # a view at an offset that is no multiple of 4 bytes: an aligned copy
         return block.clone().view(torch.int32)
+
+
+def _per_word32(block: torch.Tensor) -> int:
+    """How many of ``block``'s words make one 32-bit word (1 for 32-bit words and wider)."""
+    return max(1, 4 // block.element_size())
 
 
 def word_count(tensor: torch.Tensor) -> int:
@@ -954,7 +959,7 @@ def _uneven_all_to_all(
         # Rows of whole 32-bit words where the words are narrower (exchange_words): at most 3
         # bytes more padding a chunk, decided by the agreed width and the dtype alone.
         word = send_chunks[0].dtype
-        ratio = 4 // send_chunks[0].element_size() if send_chunks[0].element_size() < 4 else 1
+        ratio = _per_word32(send_chunks[0])
         width = -(-width // ratio) * ratio
         rows = send_chunks[0].new_zeros(size, width)
         for peer, chunk in enumerate(send_chunks):

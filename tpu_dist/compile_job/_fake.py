@@ -51,6 +51,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tpu_dist.compile_job._step import _is_dtensor_type
+
 __all__ = ["LargeTensorsFake"]
 
 _READ_BACK = torch.ops.aten._local_scalar_dense.default
@@ -114,12 +116,6 @@ class LargeTensorsFake(TorchDispatchMode):
                 self.faked += len(outputs)
                 return shaped
         return func(*args, **kwargs)
-
-
-def _is_dtensor_type(t: type) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return issubclass(t, DTensor)
 
 
 def _issue(func: Any, args: tuple, out: Any) -> None:
