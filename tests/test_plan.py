@@ -137,8 +137,12 @@ def test_scatter_blocks_on_root_and_elsewhere() -> None:
     out = torch.empty(2, dtype=torch.int32)
     parts = [torch.full((2,), r, dtype=torch.int32) for r in range(4)]
     plan = _plan.scatter(CPU4, [out], [parts], 1)  # this process is the root
-    assert plan.key == ProgramKey("scatter", (0, 1, 2, 3), ((8, "int32"),), (1,), "xla")
+    # The rows, then the verdicts: a word per rank, summed over the group (all 0: accepted).
+    blocks = ((8, "int32"), (4, "int32"))
+    assert plan.key == ProgramKey("scatter", (0, 1, 2, 3), blocks, (1, True), "xla")
     assert plan.blocks[0].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert plan.blocks[1].tolist() == [0] * 4 and plan.rejected is None
+    assert plan.checks == 1 and plan.data_blocks == ((8, "int32"),)
     plan = _plan.scatter(CPU4, [out], [], 0)
     assert plan.blocks[0].tolist() == [0] * 8
 
@@ -178,9 +182,10 @@ def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
     x = torch.arange(4, dtype=torch.int32)
     out = torch.zeros(3, dtype=torch.int32)
     plan = _plan.all_to_all_single(CPU2, out, x, [1, 2], [1, 3])
-    assert plan.key == ProgramKey("allreduce", (10, 11), ((1, "int64"),), ("MAX",), "exchange")
-    assert plan.blocks[0].tolist() == [3]
-    agreed = plan.finish([torch.tensor([3])])
+    # (the widest chunk, the verdict: 0 as this rank accepted its arguments)
+    assert plan.key == ProgramKey("allreduce", (10, 11), ((2, "int64"),), ("MAX",), "exchange")
+    assert plan.blocks[0].tolist() == [3, 0]
+    agreed = plan.finish([torch.tensor([3, 0])])
     padded = plan.then(agreed)
     assert padded.key == ProgramKey("alltoall", (10, 11), ((6, "int32"),), (), "xla")
     assert padded.blocks[0].tolist() == [0, 0, 0, 1, 2, 3]  # row per peer, width 3
@@ -189,7 +194,7 @@ def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
     assert out.tolist() == [0, 7, 8]
     # nothing to move anywhere: no second program
     empty = _plan.all_to_all_single(CPU2, torch.zeros(0), torch.zeros(0), [0, 0], [0, 0])
-    assert empty.then([torch.tensor([0])]).key is None
+    assert empty.then([torch.tensor([0, 0])]).key is None
 
 
 def test_uneven_all_to_all_of_bf16_pads_its_rows_to_32_bit_words() -> None:
@@ -198,7 +203,7 @@ def test_uneven_all_to_all_of_bf16_pads_its_rows_to_32_bit_words() -> None:
     x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
     out = torch.zeros(4, dtype=torch.bfloat16)
     plan = _plan.all_to_all_single(CPU2, out, x, [1, 3], [1, 2])
-    padded = plan.then(plan.finish([torch.tensor([3])]))
+    padded = plan.then(plan.finish([torch.tensor([3, 0])]))
     assert padded.key == ProgramKey("alltoall", (10, 11), ((4, "int32"),), (), "xla")
     rows = padded.blocks[0].view(torch.bfloat16).view(2, 4)
     assert rows.tolist() == [[1.0, 0.0, 0.0, 0.0], [2.0, 3.0, 0.0, 0.0]]
@@ -390,6 +395,14 @@ def _message(error: type[Exception], call, *args) -> str:
     return str(info.value)
 
 
+def _rejection(error: type[Exception], call, *args) -> str:
+    """The message of a call rejected on this rank for a reason the other ranks may not see:
+    the plan is made, with the error to raise once every rank has run the program."""
+    plan = call(*args)
+    assert isinstance(plan.rejected, error), plan.rejected
+    return str(plan.rejected)
+
+
 def test_wrong_output_size() -> None:
     msg = _message(ValueError, _plan.all_gather_into_tensor, CPU4, torch.empty(7),
                    torch.empty(2))
@@ -412,7 +425,7 @@ def test_bad_roots_and_peers() -> None:
     assert "pass a rank of the group" in msg
     msg = _message(ValueError, _plan.p2p, CPU2, "send", [torch.ones(2)], 0, 0)
     assert "send: rank 0 cannot send to itself" in msg and "copy the tensor locally" in msg
-    msg = _message(ValueError, _plan.gather, CPU4, [[torch.empty(1)] * 4], [torch.ones(1)], 0)
+    msg = _rejection(ValueError, _plan.gather, CPU4, [[torch.empty(1)] * 4], [torch.ones(1)], 0)
     assert "gather_list must be empty or None on non-root rank 1 (root is 0)" in msg
 
 
@@ -420,8 +433,8 @@ def test_bad_lists_and_splits() -> None:
     msg = _message(ValueError, _plan.all_gather, CPU4, [[torch.empty(2)] * 3], [torch.ones(2)])
     assert "all_gather: output tensor list has 3 tensors" in msg
     assert "group size 4" in msg and "pass a list of 4 tensors" in msg
-    msg = _message(ValueError, _plan.all_to_all_single, CPU2, torch.empty(3), torch.empty(4),
-                   [1, 2], [1, 2])
+    msg = _rejection(ValueError, _plan.all_to_all_single, CPU2, torch.empty(3), torch.empty(4),
+                     [1, 2], [1, 2])
     assert "all_to_all_single: input split sizes [1, 2] sum to 3" in msg
     assert "must add up to 4" in msg
     msg = _message(ValueError, _plan.all_to_all_single, CPU4, torch.empty(3), torch.empty(3),

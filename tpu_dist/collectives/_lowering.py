@@ -578,11 +578,17 @@ def _broadcast(size: int, root: int, checked: bool = False):
     return body
 
 
-def _scatter(size: int, root: int):
+def _scatter(size: int, root: int, checked: bool = False):
     # Every rank sends its row j to rank j (an all-to-all, as reduce_scatter); each keeps the
-    # row that came from the root. Only the root's input matters, the others pass zeros.
-    def body(x):
-        return (_exchange(size, x.reshape(size, -1))[root],)
+    # row that came from the root. Only the root's input matters, the others pass zeros. With
+    # ``checked`` the last block holds the ranks' verdicts (a word per rank, each rank's own
+    # set when it rejected its part of the call), summed over the group.
+    def body(*blocks):
+        data = blocks[:-1] if checked else blocks
+        outs = [_exchange(size, x.reshape(size, -1))[root] for x in data]
+        if checked:
+            outs.append(lax.psum(blocks[-1], AXIS))
+        return tuple(outs)
 
     return body
 

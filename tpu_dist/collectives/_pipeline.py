@@ -151,8 +151,19 @@ class Pipeline:
         A plan with a follow-up (:attr:`~._plan.Plan.then`) runs to completion first, here;
         the plan it leads to is the one ``async_op`` applies to. With ``async_op`` the program
         starts on the dispatcher thread and this returns at once.
+
+        A plan this rank rejected (:attr:`~._plan.Plan.rejected`: an argument only this rank
+        reads failed its check) still runs, to completion, carrying this rank's verdict, so
+        that every rank fails the call and the ranks stay in step; then its error is raised
+        here, at the call.
         """
-        while plan.then is not None:
+        while plan.then is not None or plan.rejected is not None:
+            if plan.rejected is not None:
+                try:
+                    self._launch(group, plan, timeout).wait()
+                except dist.DistBackendError:
+                    pass  # every rank's finish fails on the verdict: this rank's error says why
+                raise plan.rejected
             outputs = self._launch(group, plan, timeout).result()
             plan = plan.then(outputs)
         return self._launch(group, plan, timeout, async_op=async_op)

@@ -124,6 +124,15 @@ class Plan:
     once with ``finish([])``. ``then`` is set for calls of two programs (an uneven all-to-all
     first agrees on the widest chunk): run this plan to completion, and ``then(outputs)`` is
     the plan of the second program.
+
+    A call can be rejected on some ranks only, when a check reads an argument that only those
+    ranks pass or that differs between ranks by design (the root's ``scatter_list``, a rank's
+    own split sizes): the other ranks' calls are valid. Such a rank's plan is still made: it
+    has ``rejected`` set, and its blocks carry its *verdict* (:func:`_verdicts`), so the program
+    every rank runs tells every rank that the call was rejected somewhere. Every rank's finish
+    step then raises (``DistBackendError`` naming the rejecting ranks) and writes nothing, the
+    pipeline raises ``rejected`` on the rejecting ranks, and the group's ranks stay in step:
+    no rank's next call meets another rank's rejected one.
     """
 
     op: str
@@ -134,8 +143,16 @@ class Plan:
     finish: Finish
     then: Callable[[list[torch.Tensor]], Plan] | None = None
     data_blocks: tuple[tuple[int, str], ...] | None = None
-    """(length, dtype) of the call's own blocks where the program's are padded (an all-gather
-    or reduce-scatter on TPU, :data:`TPU_BLOCK_ALIGN`); None where they are ``key.blocks``."""
+    """(length, dtype) of the call's own data blocks where they are not ``key.blocks``: the
+    program's are padded (an all-gather or reduce-scatter on TPU, :data:`TPU_BLOCK_ALIGN`), or
+    its last blocks are checks (:attr:`checks`); None where they are ``key.blocks``."""
+    checks: int = 0
+    """How many of the last blocks check the call instead of carrying its data: a broadcast's
+    src header, a rooted op's or an uneven all-to-all's verdicts (what compile-only reports
+    leave out of a call's size)."""
+    rejected: Exception | None = None
+    """Why this rank rejected its part of the call, when the other ranks may not have (class
+    doc): the pipeline runs the program, then raises this."""
 
 
 @dataclass(frozen=True)
@@ -418,8 +435,12 @@ def _program(
     params: tuple,
     blocks: Sequence[torch.Tensor],
     finish: Finish,
+    *,
+    checks: int = 0,
+    rejected: Exception | None = None,
 ) -> Plan:
-    """The plan of ``kind``'s program on ``blocks``.
+    """The plan of ``kind``'s program on ``blocks``, of which the last ``checks`` check the call
+    (:attr:`Plan.checks`; never empty); ``rejected``: :attr:`Plan.rejected`.
 
     Empty blocks stay out of the program (XLA refuses zero-length collectives) and get empty
     results back; with every block empty there is no program (every rank of the group sees the
@@ -446,7 +467,11 @@ def _program(
     key = program_key(
         kind, group.device_ids, meta, params, group.platform, group.family, group.device_kind
     )
-    return Plan(op, key, tuple(blocks), finish, data_blocks=own if own != meta else None)
+    data = (own if own is not None else meta)[: len(meta) - checks]
+    return Plan(
+        op, key, tuple(blocks), finish, data_blocks=data if data != meta else None,
+        checks=checks, rejected=rejected,
+    )
 
 
 def tpu_block_align(kind: Kind, device_kind: str) -> int:
@@ -584,6 +609,43 @@ def _one_list(op: str, lists: Sequence, what: str) -> list:
     return lists[0]
 
 
+# -- calls rejected on some ranks only (Plan doc) ----------------------------------------------
+
+
+def _one_sided(check: Callable[[], object]) -> tuple[object, Exception | None]:
+    """Run ``check``, the checks of a call's arguments that may differ between ranks; returns
+    what it returns and None, or None and the ``ValueError``/``TypeError`` it raised."""
+    try:
+        return check(), None
+    except (ValueError, TypeError) as err:
+        return None, err
+
+
+def _verdict(rejected: Exception | None, slots: int = 1, slot: int = 0) -> torch.Tensor:
+    """A rank's verdict on its part of a call: ``slots`` int32 words, ``slot`` set to 1 when
+    ``rejected``. All-gathered (one slot) or summed (one slot per rank, this rank's set), the
+    ranks' verdicts give every rank one word per rank (:func:`_raise_if_rejected`)."""
+    verdict = torch.zeros(slots, dtype=torch.int32)
+    if rejected is not None:
+        verdict[slot] = 1
+    return verdict
+
+
+def _raise_if_rejected(group: GroupView, op: str, verdicts: Sequence[int]) -> None:
+    """Raise ``DistBackendError`` when any rank's verdict (one word per group rank) is set:
+    that rank rejected its part of the call, so every rank fails it, writing nothing."""
+    rejecting = [
+        group.global_ranks[r] if group.global_ranks else r for r, v in enumerate(verdicts) if v
+    ]
+    if rejecting:
+        raise dist.DistBackendError(
+            f"tpu_dist: {op} on rank {group.global_rank} of group {group.name!r} failed: "
+            f"rank(s) {rejecting} rejected their arguments (the ValueError or TypeError raised "
+            "there says which and why). Every rank of the group fails the call and this rank's "
+            "outputs were left unchanged; the group stays usable."
+        )
+
+
 # -- all-reduce ----------------------------------------------------------------------------
 
 
@@ -717,27 +779,54 @@ def gather(
     root: int,
 ) -> Plan:
     """``gather``: the root's ``gather_list[r]`` gets rank r's tensor (an all-gather whose
-    result only the root writes)."""
+    result only the root writes).
+
+    Only the root reads ``gather_list`` (the others must pass none), so its checks can fail on
+    some ranks only: every rank all-gathers a one-word verdict beside its tensor, and a call
+    rejected anywhere fails on every rank (:class:`Plan`).
+    """
     op = "gather"
     tensor = _checks.check_single(op, input_tensors)
     _checks.check_rank(op, root, group.size, "root")
-    outputs: list[torch.Tensor] = []
-    if group.rank == root:
-        if len(output_tensors) != 1:
+    outputs, rejected = _one_sided(
+        lambda: _gather_list(op, group, tensor, output_tensors, root)
+    )
+    write_rows = _scatter_rows(outputs or [], group.size)
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        _raise_if_rejected(group, op, results[1].tolist())
+        return write_rows(results[:1])
+
+    blocks = [words(tensor), _verdict(rejected)]
+    return _program(
+        group, op, Kind.ALLGATHER, (), blocks, finish, checks=1, rejected=rejected
+    )
+
+
+def _gather_list(
+    op: str,
+    group: GroupView,
+    tensor: torch.Tensor,
+    output_tensors: Sequence[Sequence[torch.Tensor]],
+    root: int,
+) -> list[torch.Tensor]:
+    """The root's checked ``gather_list`` ([] on the other ranks, which must pass none)."""
+    if group.rank != root:
+        if output_tensors and any(output_tensors):
             raise ValueError(
-                f"{op}: the root needs one gather_list, got {len(output_tensors)}; pass "
-                "gather_list with one tensor per rank on the root."
+                f"{op}: gather_list must be empty or None on non-root rank {group.rank} "
+                f"(root is {root})."
             )
-        outputs = list(output_tensors[0])
-        _checks.check_list(op, outputs, group.size, "gather_list")
-        _check_outputs(op, tensor, outputs, "gather_list")
-    elif output_tensors and any(output_tensors):
+        return []
+    if len(output_tensors) != 1:
         raise ValueError(
-            f"{op}: gather_list must be empty or None on non-root rank {group.rank} "
-            f"(root is {root})."
+            f"{op}: the root needs one gather_list, got {len(output_tensors)}; pass "
+            "gather_list with one tensor per rank on the root."
         )
-    finish = _scatter_rows(outputs, group.size)
-    return _program(group, op, Kind.ALLGATHER, (), [words(tensor)], finish)
+    outputs = list(output_tensors[0])
+    _checks.check_list(op, outputs, group.size, "gather_list")
+    _check_outputs(op, tensor, outputs, "gather_list")
+    return outputs
 
 
 # -- reduce-scatter ------------------------------------------------------------------------
@@ -824,7 +913,8 @@ def broadcast(group: GroupView, tensors: Sequence[torch.Tensor], root: int) -> P
             write(tensor, results[0])
         return [tensor]
 
-    return _program(group, op, Kind.BROADCAST, (root, True), [words(tensor), header], finish)
+    blocks = [words(tensor), header]
+    return _program(group, op, Kind.BROADCAST, (root, True), blocks, finish, checks=1)
 
 
 def scatter(
@@ -833,33 +923,64 @@ def scatter(
     input_tensors: Sequence[Sequence[torch.Tensor]],
     root: int,
 ) -> Plan:
-    """``scatter``: rank r's output gets the root's ``scatter_list[r]``."""
+    """``scatter``: rank r's output gets the root's ``scatter_list[r]``.
+
+    Only the root reads ``scatter_list`` (the others must pass none), so its checks can fail on
+    some ranks only: every rank adds its verdict (one word per rank) to the program, summed
+    over the group, and a call rejected anywhere fails on every rank (:class:`Plan`).
+    """
     op = "scatter"
     output = _checks.check_single(op, output_tensors)
-    _checks.check_output(op, output, "output")
     _checks.check_rank(op, root, group.size, "src")
-    if group.rank == root:
-        if len(input_tensors) != 1:
-            raise ValueError(
-                f"{op}: the root needs one scatter_list, got {len(input_tensors)}; pass "
-                "scatter_list with one tensor per rank on the root."
-            )
-        inputs = input_tensors[0]
-        _checks.check_list(op, inputs, group.size, "scatter_list")
-        for i, t in enumerate(inputs):
-            _checks.check_tensor(op, t, f"scatter_list[{i}]")
-            _checks.check_same(op, output, t, f"scatter_list[{i}]")
-            _checks.check_numel(op, t, output.numel(), f"scatter_list[{i}]")
-        block = words(torch.cat([flat(t) for t in inputs]))
-    else:
+    out_words = words(output)
+    block, rejected = _one_sided(
+        lambda: _scatter_block(op, group, output, input_tensors, root)
+    )
+    if block is None:
+        block = out_words.new_zeros(out_words.numel() * group.size)
+    write_output = _writes([output])
+
+    def finish(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        _raise_if_rejected(group, op, results[-1].tolist())
+        return write_output(results[:1])
+
+    verdicts = _verdict(rejected, group.size, group.rank)
+    return _program(
+        group, op, Kind.SCATTER, (root, True), [block, verdicts], finish, checks=1,
+        rejected=rejected,
+    )
+
+
+def _scatter_block(
+    op: str,
+    group: GroupView,
+    output: torch.Tensor,
+    input_tensors: Sequence[Sequence[torch.Tensor]],
+    root: int,
+) -> torch.Tensor:
+    """This rank's block of a scatter (the root's ``scatter_list`` as words, zeros on the
+    others, which must pass none), after the checks that may differ between ranks."""
+    _checks.check_output(op, output, "output")
+    if group.rank != root:
         if input_tensors and any(input_tensors):
             raise ValueError(
                 f"{op}: scatter_list must be empty or None on non-root rank "
                 f"{group.rank} (root is {root})."
             )
         out_words = words(output)
-        block = out_words.new_zeros(out_words.numel() * group.size)
-    return _program(group, op, Kind.SCATTER, (root,), [block], _writes([output]))
+        return out_words.new_zeros(out_words.numel() * group.size)
+    if len(input_tensors) != 1:
+        raise ValueError(
+            f"{op}: the root needs one scatter_list, got {len(input_tensors)}; pass "
+            "scatter_list with one tensor per rank on the root."
+        )
+    inputs = input_tensors[0]
+    _checks.check_list(op, inputs, group.size, "scatter_list")
+    for i, t in enumerate(inputs):
+        _checks.check_tensor(op, t, f"scatter_list[{i}]")
+        _checks.check_same(op, output, t, f"scatter_list[{i}]")
+        _checks.check_numel(op, t, output.numel(), f"scatter_list[{i}]")
+    return words(torch.cat([flat(t) for t in inputs]))
 
 
 # -- all-to-all ----------------------------------------------------------------------------
@@ -873,31 +994,63 @@ def all_to_all_single(
     input_split_sizes: Sequence[int],
 ) -> Plan:
     """``all_to_all_single``: rank r's rows ``input_split_sizes[j]`` go to rank j, which puts
-    them at its ``output_split_sizes[r]`` rows. Without split sizes, equal splits of dim 0."""
+    them at its ``output_split_sizes[r]`` rows. Without split sizes, equal splits of dim 0.
+
+    With split sizes every rank passes its own (and its own row counts), so their checks can
+    fail on some ranks only: they fail the call on every rank (:func:`_uneven_all_to_all`).
+    """
     op = "all_to_all_single"
+    if input_split_sizes or output_split_sizes:
+        parts, rejected = _one_sided(
+            lambda: _single_parts(op, group, output, input, output_split_sizes,
+                                  input_split_sizes)
+        )
+        if rejected is not None:
+            return _uneven_all_to_all(group, op, [], [], lambda results: [], rejected)
+        return _uneven_all_to_all(group, op, *parts)
     _checks.check_tensor(op, input, "input")
     _checks.check_tensor(op, output, "output")
     _checks.check_same(op, input, output, "output")
     _checks.check_output(op, output, "output")
-    size = group.size
+    _check_a2a_shapes(op, output, input)
+    _checks.check_splits(op, [], group.size, input.shape[0], "input")
+    _checks.check_numel(op, output, input.numel(), "output")
+    block = exchange_words(words(input), group.size)
+    return _program(group, op, Kind.ALLTOALL, (), [block], _writes([output]))
+
+
+def _check_a2a_shapes(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
+    """An all-to-all moves rows: dim 0 of each, the rest alike."""
     if input.dim() == 0 or output.dim() == 0:
         raise ValueError(
             f"{op}: input and output need at least one dimension (got shapes "
             f"{tuple(input.shape)} and {tuple(output.shape)}); reshape scalars to (1,)."
         )
-    in_rows, out_rows = input.shape[0], output.shape[0]
     if tuple(input.shape[1:]) != tuple(output.shape[1:]):
         raise ValueError(
             f"{op}: input shape {tuple(input.shape)} and output shape "
             f"{tuple(output.shape)} differ beyond dim 0."
         )
-    if not input_split_sizes and not output_split_sizes:
-        _checks.check_splits(op, [], size, in_rows, "input")
-        _checks.check_numel(op, output, input.numel(), "output")
-        block = exchange_words(words(input), size)
-        return _program(group, op, Kind.ALLTOALL, (), [block], _writes([output]))
-    send = _checks.check_splits(op, input_split_sizes, size, in_rows, "input")
-    recv = _checks.check_splits(op, output_split_sizes, size, out_rows, "output")
+
+
+def _single_parts(
+    op: str,
+    group: GroupView,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: Sequence[int],
+    input_split_sizes: Sequence[int],
+) -> tuple[list[torch.Tensor], list[int], Finish]:
+    """An ``all_to_all_single`` with split sizes, checked: the chunks this rank sends, the
+    words it receives from each rank, and the finish step that writes them into ``output``."""
+    _checks.check_tensor(op, input, "input")
+    _checks.check_tensor(op, output, "output")
+    _checks.check_same(op, input, output, "output")
+    _checks.check_output(op, output, "output")
+    _check_a2a_shapes(op, output, input)
+    size = group.size
+    send = _checks.check_splits(op, input_split_sizes, size, input.shape[0], "input")
+    recv = _checks.check_splits(op, output_split_sizes, size, output.shape[0], "output")
     row = word_count(input.new_empty(input.shape[1:]))  # words per row (0 rows: no input[0])
     send_chunks = list(words(input).split([s * row for s in send]))
     out_words = words(output) if output.is_contiguous() else None
@@ -910,7 +1063,7 @@ def all_to_all_single(
             write(output, joined)
         return [output]
 
-    return _uneven_all_to_all(group, op, send_chunks, [r * row for r in recv], finish)
+    return send_chunks, [r * row for r in recv], finish
 
 
 def all_to_all(
@@ -919,8 +1072,23 @@ def all_to_all(
     input_tensors: Sequence[torch.Tensor],
 ) -> Plan:
     """``all_to_all``: rank r's ``input_tensor_list[j]`` becomes rank j's
-    ``output_tensor_list[r]`` (tensors of any sizes)."""
+    ``output_tensor_list[r]`` (tensors of any sizes; each rank checks its own lists, and a
+    call rejected on some ranks fails on every rank: :func:`_uneven_all_to_all`)."""
     op = "all_to_all"
+    parts, rejected = _one_sided(lambda: _list_parts(op, group, output_tensors, input_tensors))
+    if rejected is not None:
+        return _uneven_all_to_all(group, op, [], [], lambda results: [], rejected)
+    return _uneven_all_to_all(group, op, *parts)
+
+
+def _list_parts(
+    op: str,
+    group: GroupView,
+    output_tensors: Sequence[torch.Tensor],
+    input_tensors: Sequence[torch.Tensor],
+) -> tuple[list[torch.Tensor], list[int], Finish]:
+    """An ``all_to_all`` of tensor lists, checked: the chunks this rank sends, the words it
+    receives from each rank, and the finish step that writes them into the outputs."""
     size = group.size
     _checks.check_list(op, input_tensors, size, "input_tensor_list")
     _checks.check_list(op, output_tensors, size, "output_tensor_list")
@@ -933,7 +1101,7 @@ def all_to_all(
         _checks.check_output(op, t, f"output_tensor_list[{i}]")
     send_chunks = [words(t) for t in input_tensors]
     recv_counts = [word_count(t) for t in output_tensors]
-    return _uneven_all_to_all(group, op, send_chunks, recv_counts, _writes(output_tensors))
+    return send_chunks, recv_counts, _writes(output_tensors)
 
 
 def _uneven_all_to_all(
@@ -942,18 +1110,29 @@ def _uneven_all_to_all(
     send_chunks: list[torch.Tensor],
     recv_counts: list[int],
     finish: Finish,
+    rejected: Exception | None = None,
 ) -> Plan:
     """All-to-all of chunks of any length: every chunk padded to the group's largest.
 
-    Two programs: a one-element MAX all-reduce agrees on the largest chunk (so every rank
-    compiles the same padded program), then the padded all-to-all (:attr:`Plan.then`).
+    Two programs: a MAX all-reduce of (this rank's largest chunk, its verdict) agrees on the
+    largest chunk (so every rank compiles the same padded program) and on whether any rank
+    rejected its arguments (then every rank fails the call there, :class:`Plan`; the verdict
+    is the rejecting group rank + 1, so the highest one is named), then the padded all-to-all
+    (:attr:`Plan.then`).
     """
     size = group.size
-    local_max = max([c.numel() for c in send_chunks] + recv_counts)
-    agreed = torch.tensor([local_max], dtype=torch.int64)
+    local_max = max([c.numel() for c in send_chunks] + recv_counts) if send_chunks else 0
+    agreed = torch.tensor([local_max, 0 if rejected is None else group.rank + 1])
+
+    def check(results: list[torch.Tensor]) -> list[torch.Tensor]:
+        width, verdict = results[0].tolist()
+        if verdict:
+            verdicts = [int(r == verdict - 1) for r in range(size)]
+            _raise_if_rejected(group, op, verdicts)
+        return [agreed.copy_(results[0])]
 
     def padded(outputs: list[torch.Tensor]) -> Plan:
-        width = int(outputs[0].item())
+        width = int(outputs[0][0])
         if width == 0:
             return _completed(op, finish([c.new_empty(0) for c in send_chunks]))
         # Rows of whole 32-bit words where the words are narrower (exchange_words): at most 3
@@ -972,10 +1151,10 @@ def _uneven_all_to_all(
         block = exchange_words(rows.view(-1), size)
         return _program(group, op, Kind.ALLTOALL, (), [block], unpad)
 
-    agree = _program(
-        group, op, Kind.ALLREDUCE, ("MAX",), [agreed], lambda results: [agreed.copy_(results[0])]
+    agree = _program(group, op, Kind.ALLREDUCE, ("MAX",), [agreed], check)
+    return Plan(
+        agree.op, agree.key, agree.blocks, agree.finish, then=padded, rejected=rejected
     )
-    return Plan(agree.op, agree.key, agree.blocks, agree.finish, then=padded)
 
 
 # -- barrier and point to point -------------------------------------------------------------

@@ -210,6 +210,8 @@ class RecordingPipeline:
     def run(self, group: GroupView, plan: Plan, timeout: timedelta, async_op: bool) -> TPUWork:
         """Record ``plan``'s program and complete at once with fake results (module doc)."""
         while True:
+            if plan.rejected is not None:  # nothing runs: no other rank waits for its verdict
+                raise plan.rejected
             work = self._record(group, plan)
             if plan.then is None:
                 return work
@@ -219,17 +221,19 @@ class RecordingPipeline:
         if plan.key is None:
             return TPUWork.completed(plan.op, plan.finish([]))
         key = plan.key
-        checked_broadcast = key.kind == Kind.BROADCAST and key.params[-1] is True
-        # The program compiled is the one the backend runs; a checked broadcast's 8-byte src
-        # header and the padding of a TPU all-gather's or reduce-scatter's blocks are not the
-        # job's data, so its size is counted without them.
+        # The program compiled is the one the backend runs; the blocks that check the call (a
+        # broadcast's src header, a rooted op's verdicts) and the padding of a TPU all-gather's
+        # or reduce-scatter's blocks are not the job's data, so its size is counted without
+        # them.
         self._recorder.add(
-            plan.op, group.global_ranks, group.desc, key,
-            data_blocks=key.blocks[:-1] if checked_broadcast else plan.data_blocks,
+            plan.op, group.global_ranks, group.desc, key, data_blocks=plan.data_blocks
         )
         results = [_fake_output(key.kind, group.size, group.rank, b) for b in plan.blocks]
-        if checked_broadcast:  # every rank agrees on src here: the header summed over ranks
-            results[-1] = plan.blocks[-1] * group.size
+        if plan.checks and key.kind in (Kind.BROADCAST, Kind.SCATTER):
+            # Every rank agrees here: the check blocks summed over the ranks (a broadcast's src
+            # header, a scatter's verdicts); an all-gathered verdict repeats as data does.
+            for i in range(len(results) - plan.checks, len(results)):
+                results[i] = plan.blocks[i] * group.size
         return TPUWork.completed(plan.op, plan.finish(results))
 
     def send_or_recv(self, group: GroupView, plan: P2PPlan, timeout: timedelta) -> TPUWork:
