@@ -36,7 +36,10 @@ import socket
 import sys
 from typing import Any, NamedTuple
 
-__all__ = ["EARLY_VARS", "PRELOAD_ENV", "PRELOAD_OFF", "EarlyZygote", "main", "take_early_zygote"]
+__all__ = [
+    "EARLY_VARS", "PRELOAD_ENV", "PRELOAD_OFF", "EarlyZygote", "interpreter_options", "main",
+    "take_early_zygote",
+]
 
 EARLY_VARS = {"OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 """Set for the workers by tpu-launch (``tpu_dist.launch._env``: several CPU workers per host,
@@ -79,8 +82,30 @@ def _wanted(argv: list[str]) -> bool:
         return False
     if os.environ.get(PRELOAD_ENV, "").strip().lower() in PRELOAD_OFF:
         return False
+    if interpreter_options():  # a forked worker would run the script with them
+        return False
     # A false match (the user's script takes a flag of that name) only costs the early fork.
     return not any(arg == "--compile-only" for arg in argv)
+
+
+def interpreter_options(
+    orig_argv: list[str] | None = None, argv: list[str] | None = None
+) -> list[str]:
+    """The options this interpreter was started with, before its script or ``-m module``
+    (``python -O -m _tpu_dist_launch ...``: ``["-O"]``; the ``tpu-launch`` command: ``[]``).
+
+    A worker runs as ``python -u _worker.py ...``, so a zygote forked from a launcher started
+    with options (``-O`` turns asserts off, ``-I``, ``-X ...``, ``-W ...``) would run the
+    script with them where a fresh worker would not: then there is no early fork (the
+    launcher starts its zygote as a new ``python -u``, as the workers are started)."""
+    orig = sys.orig_argv if orig_argv is None else orig_argv
+    args = sys.argv if argv is None else argv
+    head = orig[1 : len(orig) - (len(args) - 1)]  # options, then "-m module" or the script
+    if len(head) >= 2 and head[-2] == "-m":
+        return head[:-2]
+    if head and head[-1].startswith("-m") and len(head[-1]) > 2:  # -mmodule
+        return head[:-1]
+    return head[:-1]
 
 
 def _load_zygote() -> Any:
@@ -96,7 +121,7 @@ def _load_zygote() -> Any:
     return zygote
 
 
-def _fork_zygote() -> EarlyZygote | None:
+def _fork_zygote(zygote: Any) -> EarlyZygote | None:
     added = json.loads(os.environ.pop(_ADDED_VAR, "null"))
     if added is None:
         missing = [name for name in EARLY_VARS if name not in os.environ]
@@ -110,16 +135,14 @@ def _fork_zygote() -> EarlyZygote | None:
         added = []
     env = dict(os.environ)
     try:
-        return _import_and_fork(env)
+        return _import_and_fork(zygote, env)
     finally:
         for name in added:  # the launcher and its workers see the environment it started with
             os.environ.pop(name, None)
 
 
-def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
-    zygote = _load_zygote()
-    if zygote is None:
-        return None
+def _import_and_fork(zygote: Any, env: dict[str, str]) -> EarlyZygote | None:
+    inherited = zygote.open_fds()  # the caller's (a shell's exec 7>file), before torch's own
     gc.disable()
     try:
         try:
@@ -142,6 +165,7 @@ def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
     if pid == 0:  # the zygote: out of the launcher's session first (a Ctrl-C is the launcher's)
         os.setsid()
         ours.close()
+        zygote.close_fds(inherited)  # a fresh worker never sees them
         sys.modules.pop("_tpu_dist_launch", None)
         zygote.serve_forked(theirs.detach(), launcher)  # returns when its worker's program did
         sys.exit(0)
@@ -152,8 +176,11 @@ def _import_and_fork(env: dict[str, str]) -> EarlyZygote | None:
 def main() -> None:
     """``tpu-launch``: :func:`tpu_dist.launch.main`, after the early fork (module doc)."""
     global _early
-    if _wanted(sys.argv[1:]):
-        _early = _fork_zygote()
+    zygote = _load_zygote()
+    if zygote is not None:
+        zygote.open_standard_fds()
+        if _wanted(sys.argv[1:]):
+            _early = _fork_zygote(zygote)
     from tpu_dist.launch import main as launch
 
     launch()

@@ -34,6 +34,11 @@ _STATE = textwrap.dedent(
     import faulthandler, gc, json, os, random, signal, sys
     import numpy
     main = sys.modules["__main__"]
+
+    def torch_draw():  # as the script's first use of torch would (imported only here)
+        import torch
+        return float(torch.rand(1))
+
     state = {
         "argv": sys.argv,
         "path0": sys.path[0],
@@ -56,7 +61,7 @@ _STATE = textwrap.dedent(
         "torch_preloaded": "torch" in sys.modules,
         "started_as": sys.orig_argv[1:3],  # the interpreter the zygote (or worker) began as
         "dtensor_preloaded": "torch.distributed.tensor" in sys.modules,  # not for this script
-        "draws": [random.random(), float(numpy.random.random())],
+        "draws": [random.random(), float(numpy.random.random()), torch_draw()],
     }
     with open(os.path.join(sys.argv[1], os.environ["LOCAL_RANK"] + ".json"), "w") as f:
         json.dump(state, f)
@@ -121,7 +126,7 @@ def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
              "fresh": ["-u", _WORKER_FILE]}
     for name, job in jobs.items():
         first, second = job[0].pop("draws"), job[1].pop("draws")  # each rank draws its own
-        assert first[0] != second[0] and first[1] != second[1], (first, second)
+        assert all(a != b for a, b in zip(first, second)), (first, second)
         for rank in (0, 1):
             assert job[rank].pop("started_as") == began[name], name
             assert job[rank].pop("torch_preloaded") is (name != "fresh"), name
@@ -133,6 +138,74 @@ def test_forked_workers_see_what_fresh_workers_see(tmp_path: Path) -> None:
             assert forked[rank]["parent_is_launcher"] and forked[rank]["own_session"]
             assert forked[rank]["tpu_dist_modules"] == []  # nothing of tpu_dist before the script
             assert forked[rank]["dtensor_preloaded"] is False  # it imports no DTensor API
+
+
+_PROCESS = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch
+    fds = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            fds[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            pass  # the listing's own descriptor
+    state = {
+        "fds": sorted(fd for fd, target in fds.items() if not target.startswith("pipe:")),
+        "fd0": fds.get(0),
+        "stdin": sys.stdin is not None,
+        "optimize": sys.flags.optimize,
+        "seed": torch.initial_seed(),
+        "draw": float(torch.rand(1)),
+    }
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    with open(os.path.join(sys.argv[1], f"{attempt}-{os.environ['RANK']}.json"), "w") as f:
+        json.dump(state, f)
+    sys.exit(1 if attempt == "0" and os.environ["RANK"] == "0" else 0)
+    """
+)
+
+
+def _process_facts(tmp_path: Path, name: str, options: list[str], preload: bool) -> dict:
+    """A 2-rank job run as a shell would start it with a descriptor of its own open (``exec
+    7>file``) and stdin closed (``<&-``): rank 0 fails once, so every fact is read by each rank of
+    two attempts."""
+    script, out = tmp_path / "process.py", tmp_path / name
+    script.write_text(_PROCESS)
+    out.mkdir()
+    env = clean_env({} if preload else {_settings.LAUNCH_PRELOAD.env: "0"})
+    launcher = [sys.executable, *options, "-m", "_tpu_dist_launch", "--nproc-per-node", "2",
+                "--max-restarts", "1", str(script), str(out)]
+    proc = subprocess.run(
+        ["sh", "-c", 'exec 7>"$0"; exec "$@" <&-', str(tmp_path / f"{name}.fd7"), *launcher],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return {f.stem: json.loads(f.read_text()) for f in out.iterdir()}
+
+
+def test_forked_workers_are_fresh_processes_of_their_own(tmp_path: Path) -> None:
+    """Issue 48, items 2 and 7: a worker forked from a zygote draws its own random numbers (each
+    rank, each restart), and inherits neither the launcher's other descriptors, nor its
+    interpreter options, nor a closed stdin's stand-in: the same process a fresh worker is."""
+    jobs = {
+        "early": _process_facts(tmp_path, "early", [], preload=True),
+        "zygote": _process_facts(tmp_path, "zygote", ["-O"], preload=True),  # no early fork
+        "fresh": _process_facts(tmp_path, "fresh", ["-O"], preload=False),
+    }
+    seeds = [f["seed"] for job in jobs.values() for f in job.values()]
+    draws = [f["draw"] for job in jobs.values() for f in job.values()]
+    assert len(seeds) == 12 and len(set(seeds)) == 12 and len(set(draws)) == 12, jobs
+    for name, job in jobs.items():
+        assert sorted(job) == ["0-0", "0-1", "1-0", "1-1"], (name, job)  # both attempts ran
+        for facts in job.values():
+            facts.pop("seed"), facts.pop("draw")
+    for name, job in jobs.items():
+        for facts in job.values():
+            assert facts == jobs["fresh"]["0-0"], (name, facts, jobs["fresh"]["0-0"])
+    assert jobs["fresh"]["0-0"] == {
+        "fds": [0, 1, 2], "fd0": "/dev/null", "stdin": True, "optimize": 0
+    }
 
 
 _DTENSOR_SCRIPT = """

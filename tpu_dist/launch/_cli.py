@@ -349,6 +349,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     from tpu_dist.launch._preflight import Problem, preflight
     from tpu_dist.launch._run import format_dry_run, launch
 
+    from tpu_dist.launch._zygote import open_standard_fds
+
+    open_standard_fds()  # tpu-launch's entry did it already; python -m tpu_dist.launch here
     _setup_logging()
     environ = dict(os.environ)  # the user's environment, before the launcher exports anything
     try:

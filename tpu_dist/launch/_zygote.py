@@ -27,8 +27,9 @@ the zygote; a worker whose environment differs from the zygote's in any variable
 later (:data:`LATE_VARS`: elastic's per-worker ``RANK``, ``MASTER_PORT``, ``TORCHELASTIC_*``, the
 attempt's ``TPU_DIST_*``) is started fresh instead. Python's string hash seed is the zygote's,
 the same in every worker (a fresh interpreter draws its own unless ``PYTHONHASHSEED`` is set);
-Python's ``random`` and numpy's global generator are reseeded from the OS in each worker, as a
-fresh interpreter seeds them. The objects the preload created are frozen (``gc.freeze``: the
+Python's ``random``, numpy's global generator and torch's default generator are seeded from the
+OS in each worker, as a fresh interpreter seeds them (each rank and each restart draws its own
+numbers). The objects the preload created are frozen (``gc.freeze``: the
 worker's cyclic collector never scans them, see :func:`_freeze`). With
 ``TPU_DIST_DEFAULT_FOR_CPU=1`` (``--default-for-cpu``), torch's import runs tpu_dist's
 ``torch.backends`` hook, which imports tpu_dist: in the zygote, so its notice that it became the
@@ -60,8 +61,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "DTENSOR_PRELOAD", "LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "early_differences",
-    "early_usable", "enabled", "end_early", "script_preload", "serve_forked",
+    "DTENSOR_PRELOAD", "LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "close_fds",
+    "early_differences", "early_usable", "enabled", "end_early", "open_fds",
+    "open_standard_fds", "script_preload", "serve_forked",
 ]
 
 PRELOAD = ("numpy", "torch", "torch.distributed", "jax")
@@ -189,6 +191,53 @@ def _recv(sock: socket.socket, nfds: int = 0) -> tuple[bytes, list[int]]:
     if size > _MAX_MESSAGE:
         raise ValueError(f"message of {size} bytes")
     return _recv_exact(sock, size), fds
+
+
+# -- the launcher's process ---------------------------------------------------------------
+
+
+def open_standard_fds() -> None:
+    """Make each of the launcher's descriptors 0, 1 and 2 that is closed ``/dev/null``.
+
+    Started with one of them closed (``<&-``, a daemon's environment), the launcher's next open
+    file or socket would take its number, and every worker would inherit that as its stdin (a
+    fresh worker a log file, a forked one the zygote's socket). As ``/dev/null``, fresh and
+    forked workers alike read end-of-file from stdin, as under a shell's ``</dev/null``."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_RDWR)
+            if opened != fd:  # a lower one was closed too and took it: the loop reaches it
+                os.dup2(opened, fd)
+                os.close(opened)
+            os.set_inheritable(fd, True)  # Python opens files close-on-exec
+
+
+def open_fds() -> list[int]:
+    """This process's open descriptors above 2 (what a process it forks inherits, besides its
+    standard streams)."""
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2:
+            try:
+                os.fstat(fd)  # the listing's own descriptor is closed by now
+            except OSError:
+                continue
+            found.append(fd)
+    return found
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    """Close ``fds`` (those already closed are skipped): in a zygote forked from the launcher,
+    what the launcher inherited from whoever started it, which a fresh worker never sees
+    (elastic starts it with ``close_fds``)."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 # -- the launcher's side ---------------------------------------------------------------------
@@ -494,6 +543,13 @@ def serve_forked(fd: int, launcher: int) -> None:
     os.dup2(null, 0)
     os.close(null)
     _unbuffered_streams()
+    if sys.stdin is None:  # the launcher started with fd 0 closed; a new interpreter has one
+        import io
+
+        encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+        sys.stdin = sys.__stdin__ = io.TextIOWrapper(
+            io.BufferedReader(io.FileIO(0, "rb", closefd=False)), encoding=encoding
+        )
     sys.path[0] = os.devnull  # as in the zygote's own interpreter (the __main__ block below)
     sock = socket.socket(fileno=fd)
     try:
@@ -639,11 +695,22 @@ def _become_worker(sock: socket.socket, request: dict[str, Any], fds: list[int])
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
-    # A fresh interpreter seeds numpy's global generator from the OS at import; forked, every
-    # worker would draw the zygote's numbers (Python's `random` reseeds itself after a fork).
+    _reseed()
+
+
+def _reseed() -> None:
+    """Seed from the OS the generators a fresh interpreter seeds from the OS when it imports
+    their module: forked, every worker (of every attempt) would draw the zygote's numbers.
+    numpy's global generator, and torch's default CPU generator (torch seeds it from
+    ``/dev/urandom`` at import; what ``torch.initial_seed()`` reports). Python's ``random``
+    reseeds itself after a fork; torch's accelerator generators start from a fixed seed in
+    every process, fresh or forked, so they are left alone."""
     numpy_random = sys.modules.get("numpy.random")
     if numpy_random is not None:
         numpy_random.seed()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
 
 
 def _load_worker_entry() -> Any:
