@@ -161,6 +161,7 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
         torch, dist = _init(args.backend)
         if rank == 0:
             time.sleep(args.delay)
+            print(f"LAST rank={rank}", flush=True)  # printed: it must reach the console
             if args.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
             os._exit(args.exit_code)

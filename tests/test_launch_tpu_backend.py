@@ -21,5 +21,5 @@ def test_two_launchers_all_reduce_over_the_tpu_backend() -> None:
         for rank in ranks:
             assert f"[rank{rank}]:ALLREDUCE rank={rank} world=4 sum=10" in results[node][1]
         # jaxlib's gloo prints "[Gloo] Rank N is connected to 3 peer ranks..." to stdout for
-        # every communicator; tpu-launch's workers drop that healthy line (kept with --verbose).
+        # every communicator; tpu-launch leaves that healthy line out (kept with --verbose).
         assert "[Gloo]" not in results[node][1], results[node][1]

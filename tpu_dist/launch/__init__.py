@@ -179,8 +179,10 @@ variable (``--dry-run`` lists them all anyway), elastic's own per-worker stop me
 torchrun's full failure table, and the ``[Gloo] Rank N is connected to K peer ranks ...`` lines.
 Those come from the gloo inside jaxlib (XLA's CPU collectives, which the "tpu" backend uses on
 CPU): it prints one with ``std::cout`` for every communicator it connects, with no setting to
-stop it, so each worker drops exactly that line, when both counts agree, from its stdout; gloo's
-report of a peer that did not connect passes through. Under ``torchrun`` the lines stay.
+stop it, so the launcher leaves exactly that line, when both counts agree, out of what it copies
+to the console (the workers' log files keep it; with ``--tee 0`` the workers write to the console
+themselves and the lines stay); gloo's report of a peer that did not connect is shown. Under
+``torchrun`` the lines stay.
 
 Failure modes
 =============
@@ -225,7 +227,7 @@ from tpu_dist.launch._discovery import Discovery, MetadataClient, discover
 from tpu_dist.launch._env import HUGE_PAGES_TUNABLE, WorkerEnv, compute_worker_env
 from tpu_dist.launch._preflight import Problem, preflight
 from tpu_dist.launch._run import format_dry_run
-from tpu_dist.launch._worker import quiet_gloo_lines
+from tpu_dist.launch._gloo_lines import quiet_gloo_lines
 from tpu_dist.launch._worker import EXIT_CODE_VAR
 
 __all__ = [

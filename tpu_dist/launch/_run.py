@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tpu_dist import _settings
-from tpu_dist.launch import _worker, _zygote
+from tpu_dist.launch import _gloo_lines, _worker, _zygote
 from tpu_dist.launch._chips import placement
 from tpu_dist.launch._config import DEFAULT_MASTER_PORT, LaunchSpec
 from tpu_dist.launch._env import WorkerEnv, compute_worker_env, elastic_vars
@@ -197,8 +197,6 @@ def _export(worker_env: WorkerEnv, verbose: bool) -> None:
         os.environ[_worker.WORKER_ENV_VAR] = json.dumps([dict(r) for r in worker_env.per_rank])
     os.environ[_worker.LAUNCHER_PID_VAR] = str(os.getpid())
     os.environ[_worker.EXIT_TIME_DIR_VAR] = tempfile.mkdtemp(prefix="tpu_dist_exits_")
-    if not verbose:
-        os.environ[_worker.QUIET_GLOO_VAR] = "1"
 
 
 _ELASTIC_LOGGER = "torch.distributed.elastic.multiprocessing.api"
@@ -432,6 +430,34 @@ def _start_zygote(spec: LaunchSpec) -> _zygote.Zygote | None:
 
 
 @contextlib.contextmanager
+def _quiet_gloo(verbose: bool) -> Any:
+    """While elastic runs the workers, the tails that copy their stdout to the console (``--tee``)
+    leave out jaxlib's healthy gloo connection lines (:mod:`._gloo_lines`; kept with
+    ``--verbose``, and in the log files). Filtered here, as the launcher reads the lines, and
+    not in the worker: a line a worker printed before it was killed always reaches the console.
+    (elastic's ``TailLog`` replaced in its ``api`` module for the duration, as
+    :func:`_forked_from` does its subprocess handler.)"""
+    if verbose:
+        yield
+        return
+    from torch.distributed.elastic.multiprocessing import api
+
+    original = api.TailLog
+
+    class QuietTailLog(original):  # type: ignore[misc, valid-type]
+        def __init__(self, name: str, log_files: Any, dst: Any, *args: Any, **kwargs: Any):
+            if dst is sys.stdout and not args[2:] and "log_line_filter" not in kwargs:
+                kwargs["log_line_filter"] = _gloo_lines.shows_line
+            super().__init__(name, log_files, dst, *args, **kwargs)
+
+    api.TailLog = QuietTailLog
+    try:
+        yield
+    finally:
+        api.TailLog = original
+
+
+@contextlib.contextmanager
 def _forked_from(zygote: _zygote.Zygote | None, verbose: bool) -> Any:
     """While elastic starts workers, it forks them from ``zygote`` (elastic's per-worker
     handler, ``get_subprocess_handler``, replaced in its module for the duration)."""
@@ -516,7 +542,7 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     if watch is not None:
         watch.start()
     try:
-        with _forked_from(zygote, verbose):
+        with _forked_from(zygote, verbose), _quiet_gloo(verbose):
             elastic_launch(config, entrypoint)(*args)
         return 0
     except ChildFailedError as err:

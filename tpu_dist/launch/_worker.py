@@ -27,13 +27,8 @@ sooner and the job stops or restarts that much sooner.
 Every mode first asks the kernel to kill this worker if the launcher dies (Linux
 ``PR_SET_PDEATHSIG``), so a launcher killed with SIGKILL leaves no orphaned workers behind.
 
-Unless the launcher runs with ``--verbose``, the ``python`` and ``module`` modes (and
-``--run-path``) drop the ``[Gloo] Rank N is connected to K peer ranks. Expected number of
-connected peer ranks is : K`` lines from this worker's stdout: the gloo inside jaxlib (XLA's
-CPU collectives) prints one with ``std::cout`` for every communicator it connects, with no knob
-to turn it off. Only that exact line with the two counts equal is dropped; gloo's report of a
-peer that did not connect (counts differ, ``is NOT connected to``) and everything else passes
-through unchanged.
+A worker's output goes where elastic sends it, unchanged (jaxlib's gloo connection lines are
+left out by the launcher, as it copies the output to its console: ``_gloo_lines``).
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import signal
 import sys
 import time
@@ -50,79 +44,6 @@ from types import TracebackType
 
 WORKER_ENV_VAR = "TPU_DIST_LAUNCH_WORKER_ENV"
 LAUNCHER_PID_VAR = "TPU_DIST_LAUNCH_PID"
-QUIET_GLOO_VAR = "TPU_DIST_LAUNCH_QUIET_GLOO"
-"""Set to ``1`` by the launcher (not with ``--verbose``): drop gloo's healthy connection lines."""
-
-_GLOO_HEAD = b"[Gloo] Rank "
-_GLOO_CONNECTED = re.compile(
-    rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
-    rb"Expected number of connected peer ranks is : (\d+)\n"
-)
-
-
-def _without_gloo_lines(buf: bytes) -> tuple[bytes, bytes]:
-    """Splits ``buf`` into what to write now (healthy gloo lines removed) and a tail to hold: the
-    start of a gloo line not yet complete. A gloo line may land in the middle of another line."""
-    buf = _GLOO_CONNECTED.sub(lambda m: b"" if m.group(1) == m.group(2) else m.group(0), buf)
-    start = buf.rfind(_GLOO_HEAD)
-    if start != -1 and b"\n" not in buf[start:]:
-        return buf[:start], buf[start:]
-    for k in range(min(len(_GLOO_HEAD) - 1, len(buf)), 0, -1):
-        if _GLOO_HEAD.startswith(buf[-k:]):
-            return buf[:-k], buf[-k:]
-    return buf, b""
-
-
-def quiet_gloo_lines() -> None:
-    """Routes this process's fd 1 through a pipe whose reader drops the healthy ``[Gloo] Rank N
-    is connected to K peer ranks ...`` lines of jaxlib's gloo (see the module docstring); every
-    other byte passes unchanged. Undone at exit, after the program's last output. Call it once,
-    early, in a process that will run "tpu" collectives on CPU."""
-    import atexit
-    import threading
-
-    sys.stdout.flush()
-    real = os.dup(1)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 1)
-    os.close(write_end)
-
-    def write(data: bytes) -> None:
-        while data:
-            data = data[os.write(real, data):]
-
-    def pump() -> None:
-        held = b""
-        while True:
-            try:
-                chunk = os.read(read_end, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                write(held)
-                return
-            now, held = _without_gloo_lines(held + chunk)
-            write(now)
-
-    thread = threading.Thread(target=pump, name="tpu-launch-stdout", daemon=True)
-    thread.start()
-
-    def restore() -> None:
-        try:
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(real, 1)  # closes our write end of the pipe: the reader sees EOF and flushes
-        thread.join(timeout=1.0)
-
-    atexit.register(restore)
-
-
-def _maybe_quiet() -> None:
-    if os.environ.pop(QUIET_GLOO_VAR, "") == "1":
-        quiet_gloo_lines()
-
-
 EXIT_TIME_DIR_VAR = "TPU_DIST_LAUNCH_EXIT_TIMES"
 """A folder of the launcher's where a failing worker writes a file named by its pid holding
 the time (``time.time()``) its program ended. elastic's failure timestamps have one-second
@@ -331,7 +252,6 @@ def _note_exit_code(code: object) -> int:
 def run_script_path(script: str, *args: str) -> None:
     """``--run-path`` entry: runs in the worker process elastic spawned (a picklable function)."""
     apply_worker_env()
-    _maybe_quiet()
     sys.argv = [script, *args]
     import runpy
 
@@ -349,7 +269,6 @@ def main(argv: list[str]) -> None:
         import faulthandler
 
         faulthandler.enable(all_threads=True)  # a crash in native code still shows a stack
-        _maybe_quiet()
     if mode == "exec":
         try:
             os.execvp(target, [target, *args])
