@@ -28,8 +28,9 @@ Fault modes (``--backend`` gloo or tpu; each prints ``READY rank=R`` once the gr
 * ``late-finish``: all ranks all_reduce and ``destroy_process_group()``; then rank
   ``--fail-rank`` works alone for ``--sleep`` seconds (a checkpoint write) and every rank exits 0.
 * ``timeout-exit``: group timeout ``--timeout`` s; rank ``--fail-rank`` stays away from the
-  second all_reduce for ``--sleep`` s; the others catch the timeout's error and exit with
-  ``--exit-code`` (run "tpu" with TPU_DIST_TIMEOUT_POLICY=raise).
+  second all_reduce for ``--sleep`` s (with ``--stop``: stopped by SIGSTOP first); the others
+  catch the timeout's error and exit with ``--exit-code`` (run "tpu" with
+  TPU_DIST_TIMEOUT_POLICY=raise).
 * ``rank0-dies``: after one all_reduce, rank 0 sleeps ``--delay`` s and ends with
   ``os._exit(--exit-code)`` (no Python teardown, as a crash); the others wait in an all_reduce
   it never joins, catch its error and print ``CAUGHT rank=R <error type>``. A SIGTERM (the
@@ -143,6 +144,8 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
     elif args.mode == "timeout-exit":
         torch, dist = _init(args.backend, args.timeout)
         if rank == args.fail_rank:
+            if args.stop:
+                os.kill(os.getpid(), signal.SIGSTOP)  # as Ctrl-Z or a debugger would
             time.sleep(args.sleep)
             return
         try:
@@ -234,6 +237,7 @@ def main() -> None:
     parser.add_argument("--exit-code", type=int, default=3)
     parser.add_argument("--raise", dest="raise_", action="store_true")
     parser.add_argument("--kill", action="store_true")
+    parser.add_argument("--stop", action="store_true")
     parser.add_argument("--caught-exit-code", type=int, default=None)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--pid-dir")

@@ -47,6 +47,12 @@ def _fault_launches() -> dict[str, tuple[list[str], dict[str, str] | None]]:
              "--exit-code", "3", "--backend", backend],
             {"TPU_DIST_TIMEOUT_POLICY": "raise"},
         )
+        # The same with rank 1 stopped (SIGSTOP) instead of asleep: it never exits by itself.
+        launches[f"stopped-{backend}"] = (
+            ["--nproc-per-node", "2", WORKER, "timeout-exit", "--timeout", "3", "--stop",
+             "--sleep", "30", "--exit-code", "3", "--backend", backend],
+            {"TPU_DIST_TIMEOUT_POLICY": "raise"},
+        )
         # Rank 0 ends (os._exit(9), a crash) while rank 1 waits in an all_reduce with it; rank
         # 1's except handler prints CAUGHT. On "tpu" that needs the coordination service
         # outside rank 0 (tpu-launch's node 0 hosts it), or JAX ends rank 1 at once.
@@ -103,6 +109,21 @@ def test_caught_timeout_then_exit_keeps_the_exit_code(faults: dict, backend: str
     assert "CAUGHT rank=0" in out + err, f"stdout:\n{out}\nstderr:\n{err}"
     assert "tpu-launch: worker failed: node 0: rank 0 (local rank 0" in err, err
     assert "exited with code 3" in err, err
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_stopped_rank_is_the_root_cause_and_is_ended(faults: dict, backend: str) -> None:
+    """Issue 48, item 8: rank 1 stopped itself (SIGSTOP); rank 0 timed out waiting for it and
+    exited 3. The root cause is the stopped rank (the survivor's exit is its consequence), and
+    the launcher resumes it so that its stop signal takes effect (a stopped process holds
+    SIGTERM until it is resumed: elastic would wait its 30 s shutdown timeout, then SIGKILL)."""
+    code, out, err = faults[f"stopped-{backend}"]
+    assert code == 1, err
+    assert "CAUGHT rank=0" in out + err, f"stdout:\n{out}\nstderr:\n{err}"
+    assert "tpu-launch: worker failed: node 0: rank 1 (local rank 1" in err, err
+    assert "was stopped (SIGSTOP" in err, err
+    assert "Other ranks: rank 0: exited with code 3" in err, err
+    assert "forcefully exiting via 9" not in err, err
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -214,11 +214,20 @@ _ELASTIC_STOP_MESSAGES = _ELASTIC_SIGNALS[:2] + (
 _stopped_pids: set[int] = set()
 """Workers this launcher's elastic agent sent a signal to stop (from its log records)."""
 
+_paused_pids: set[int] = set()
+"""Of those, the workers that were stopped (SIGSTOP: Ctrl-Z, a debugger, a freezer) when the
+agent began stopping them: they could not have failed by themselves, their peers waited."""
+
 
 class _ElasticStops(logging.Filter):
     """Notes which workers elastic signals (:data:`_stopped_pids`), and drops its per-worker
     stop messages when ``quiet``; every other elastic message, warnings and errors included,
-    passes."""
+    passes.
+
+    A worker that is stopped (SIGSTOP) when elastic is about to signal it is noted
+    (:data:`_paused_pids`) and resumed: a stopped process holds SIGTERM until it runs again
+    (elastic would wait its whole shutdown timeout, then SIGKILL), as a shell resumes a stopped
+    job it kills."""
 
     def __init__(self, quiet: bool) -> None:
         super().__init__()
@@ -226,8 +235,22 @@ class _ElasticStops(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg in _ELASTIC_SIGNALS and record.args:
-            _stopped_pids.add(int(record.args[0]))
+            pid = int(record.args[0])
+            _stopped_pids.add(pid)
+            if _process_state(pid) in ("T", "t"):
+                _paused_pids.add(pid)
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
         return not (self.quiet and record.msg in _ELASTIC_STOP_MESSAGES)
+
+
+def _process_state(pid: int) -> str:
+    """The state letter of process ``pid`` (``/proc/<pid>/stat``; "" when gone or unknown)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 _ERROR_LINES = 6
@@ -251,6 +274,11 @@ def _stopped_by_the_launcher(failure: Any) -> bool:
 
 
 def _how(failure: Any) -> str:
+    if failure.pid in _paused_pids:
+        return (
+            "was stopped (SIGSTOP: Ctrl-Z, a debugger, a freezer) when the job failed, so the "
+            "other ranks waited for it; tpu-launch resumed it to end it"
+        )
     if failure.exitcode in _STOP_SIGNALS and not _stopped_by_the_launcher(failure):
         return (
             f"was killed by {failure.signal_name()}, not sent by tpu-launch (the kernel's OOM "
@@ -295,7 +323,13 @@ def _root_cause(err: Any) -> tuple[int, Any]:
     (any exit code, or a signal the agent did not send: SIGABRT, SIGSEGV, or a SIGKILL from
     the OOM killer). Two workers that failed within the same second (the second one's
     collective failed because the first left) are ordered by :func:`_exit_time`.
+
+    A worker that was stopped (SIGSTOP) when the agent began stopping the workers comes first:
+    it could not run, so its peers' failures (timeouts waiting for it) are its consequence.
     """
+    paused = [(rank, f) for rank, f in sorted(err.failures.items()) if f.pid in _paused_pids]
+    if paused:
+        return paused[0]
     own = [
         (_exit_time(failure), rank, failure)
         for rank, failure in err.failures.items()
@@ -358,7 +392,8 @@ def format_failure(spec: LaunchSpec, err: Any, verbose: bool = False) -> str:
     outcomes: dict[str, list[int]] = {}
     for r, f in sorted(err.failures.items()):
         if r != rank:
-            how = _how(f) + (" (stopped by the launcher)" if _stopped_by_the_launcher(f) else "")
+            stopped = _stopped_by_the_launcher(f) and f.pid not in _paused_pids
+            how = _how(f) + (" (stopped by the launcher)" if stopped else "")
             outcomes.setdefault(how, []).append(r)
     if outcomes:
         lines.append(
