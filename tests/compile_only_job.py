@@ -179,10 +179,12 @@ def main() -> None:
         with open(os.path.join(args.counts_dir, f"rank{rank}.json"), "w") as f:
             json.dump(_calls, f)
     dist.destroy_process_group()
-    # Which process ran the job (tpu-launch --compile-only runs it in the launcher when it can)
-    # and with how many torch threads.
-    print(f"JOB pid={os.getpid()} ppid={os.getppid()} torch_threads={torch.get_num_threads()} "
-          f"omp={os.environ.get('OMP_NUM_THREADS')}", flush=True)
+    # Which process ran the job (tpu-launch --compile-only forks it from the launcher when it
+    # can: the launcher's interpreter, not a new one) and with how many torch threads.
+    fresh = "tpu_dist.launch._compile_only" in sys.orig_argv
+    print(f"JOB pid={os.getpid()} ppid={os.getppid()} fresh={fresh} "
+          f"torch_threads={torch.get_num_threads()} omp={os.environ.get('OMP_NUM_THREADS')}",
+          flush=True)
 
 
 if __name__ == "__main__":

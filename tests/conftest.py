@@ -76,6 +76,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(tmp, "tpu_dist_test_jax_cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("TPU_DIST_COMPILE_CACHE", os.path.join(tmp, "tpu_dist_test_xla_cache"))
+    # libtpu's log files (its default folder, /tmp/tpu_logs, is every user's): the suite's own.
+    os.environ.setdefault("TPU_LOG_DIR", os.path.join(tmp, "tpu_dist_test_libtpu_logs"))
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep _LONGEST_FIRST's order
         config.option.loadscopereorder = False
 

@@ -202,6 +202,8 @@ _OTHER_OWNERS = {
     "services it started, stopped at exit and on a signal",
     ("tpu_dist.launch._run", "_stopped_pids"): "tpu-launch's own process: the workers elastic "
     "signalled, noted by a handler on elastic's (process-wide) logger",
+    ("tpu_dist.launch._run", "_paused_pids"): "tpu-launch's own process: of those, the workers "
+    "that were stopped (SIGSTOP) when elastic signalled them, noted by the same handler",
 }
 """(module, name) -> why this module-level container is mutated outside :data:`_STATE_OWNER`."""
 

@@ -60,6 +60,7 @@ from tpu_dist.compile_job._estimate import (
     step_estimate,
 )
 from tpu_dist.compile_job._fake import LargeTensorsFake
+from tpu_dist.compile_job._no_saves import SaveRefused, refusing_saves
 from tpu_dist.compile_job._step import (
     StepMeter,
     StepRecord,
@@ -81,6 +82,7 @@ __all__ = [
     "CompiledCall",
     "DecoderShape",
     "LargeTensorsFake",
+    "SaveRefused",
     "Session",
     "StepCollective",
     "StepEstimate",
@@ -96,6 +98,7 @@ __all__ = [
     "flops_per_device",
     "flops_per_token",
     "fsdp_tp_collectives",
+    "refusing_saves",
     "step_estimate",
     "step_report",
     "world_devices",

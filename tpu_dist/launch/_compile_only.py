@@ -8,27 +8,41 @@ process, :func:`main`, with the environment the chosen rank would get on the rea
 would otherwise have to connect), runs the script, then compiles and reports through
 :mod:`tpu_dist.compile_job`.
 
-The launcher itself becomes that process when it can (:func:`_in_process_ok`): it has imported
-torch already, and a fresh interpreter (``python -u -m tpu_dist.launch._compile_only``) would
-import it again, about 2 CPU-s and 2 s of a run of about 10 (benchmarks/README.md, E47). It can
-when JAX is not imported yet, the job's interpreter is this one, ``TPU_DIST_LAUNCH_PRELOAD`` is
-not 0, and the job's environment differs from the launcher's only in variables read after
-start-up (:data:`_LATE_VARS`; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``, as
-an import would). Otherwise (for instance ``--default-for-cpu``, which ``import tpu_dist``
-reads) the fresh process runs it.
+The launcher runs that process as a child it waits for: forked (it has imported torch
+already, and a fresh interpreter would import it again: about 2 CPU-s of a 10 s run,
+benchmarks/README.md E47) when it can (:func:`_in_process_ok`: JAX is not imported yet, the
+job's interpreter is this one, ``TPU_DIST_LAUNCH_PRELOAD`` is not 0, and the job's environment
+differs from the launcher's only in variables read after start-up, :data:`_LATE_VARS`;
+``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``, as an import would), else as
+``python -u -m tpu_dist.launch._compile_only`` (for instance with ``--default-for-cpu``, which
+``import tpu_dist`` reads). So a job that ends abruptly still gets an honest exit code and a
+message from the launcher: killed by a signal (a self-kill, the OOM killer), or ended by the
+script before the run finished. A script's ``os._exit`` from its main thread ends the script
+only: what it recorded is compiled and reported, and the run exits with its code. The job's
+compiler process (:class:`tpu_dist.compile_job.Session`) dies with it.
+
+A dry run writes nothing the user owns: checkpoint saves (``torch.save``, DCP's ``save``)
+raise ``tpu_dist.compile_job.SaveRefused`` before any file is opened, and libtpu's logs go to a
+folder of the run's own (removed after a run that succeeded, kept and named after one that
+failed), unless ``TPU_LOG_DIR`` is set.
 
 Exit code: 0 when the script finished (exit 0) and every collective compiled; the script's own
-code when it failed; 1 when a collective did not compile or nothing was recorded; 2 for a bad
-request (nothing started), and when libtpu is missing or cannot describe the topology (checked
-before the script runs: that message is then the only error).
+code when it failed; 1 when a collective did not compile or nothing was recorded, or when the
+job ended before it finished with code 0; ``128 + N`` when it was killed by signal N; 2 for a
+bad request (nothing started), and when libtpu is missing or cannot describe the topology
+(checked before the script runs: that message is then the only error).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Mapping
 
@@ -95,17 +109,116 @@ def run_compile_only(
         JAX_ENABLE_COMPILATION_CACHE="false",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
     )
+    logs = None
+    if _LIBTPU_LOG_DIR not in env:  # libtpu's default, /tmp/tpu_logs, is every user's
+        logs = env[_LIBTPU_LOG_DIR] = tempfile.mkdtemp(prefix="tpu_dist_libtpu_logs_")
     entry = spec.entry
     mode = "module" if entry.kind == "module" else "python"
-    args = ["--report", os.path.abspath(report)] if report else []
+    done_r, done_w = os.pipe()
+    args = ["--done-fd", str(done_w)]
+    if report:
+        args += ["--report", os.path.abspath(report)]
     if tensors == "real":
         args += ["--real-tensors"]
     args += [mode, entry.target, *entry.args]
-    if _in_process_ok(entry.python, env, environ):
+    try:
+        proc = None
+        if _in_process_ok(entry.python, env, environ):
+            pid = _fork_the_job(env, args, done_r)
+        else:
+            command = [entry.python, "-u", "-m", "tpu_dist.launch._compile_only", *args]
+            proc = subprocess.Popen(command, env=env, pass_fds=[done_w])
+            pid = proc.pid
+        os.close(done_w)
+        status = _wait_for(pid)
+        if proc is not None:
+            proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here
+        finished = os.read(done_r, 1) == b"1"
+    finally:
+        os.close(done_r)
+    code = _outcome(status, finished)
+    if logs is not None:
+        if code == 0 or not os.listdir(logs):
+            shutil.rmtree(logs, ignore_errors=True)
+        else:
+            print(f"tpu-launch --compile-only: libtpu's logs: {logs}", file=sys.stderr)
+    return code
+
+
+_LIBTPU_LOG_DIR = "TPU_LOG_DIR"
+"""Where libtpu writes its log files (default ``/tmp/tpu_logs``)."""
+
+
+def _fork_the_job(env: Mapping[str, str], args: list[str], done_r: int) -> int:
+    """Fork the compile-only process (module doc); returns its pid. The child never returns."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.close(done_r)
         _become_the_job(env)
-        return main(args)
-    command = [entry.python, "-u", "-m", "tpu_dist.launch._compile_only", *args]
-    return subprocess.call(command, env=env)
+        code = main(args)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+    except BaseException:  # noqa: BLE001 - shown as Python would, then the process ends
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _wait_for(pid: int) -> int:
+    """The wait status of the job ``pid``. Ctrl-C reaches the job (the terminal signals the
+    whole process group), so the launcher ignores it while it waits; a SIGTERM or SIGHUP sent
+    to the launcher alone is passed on to the job."""
+
+    def pass_on(signum: int, frame: object) -> None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signum)
+
+    on_main = threading.current_thread() is threading.main_thread()
+    handlers = {}
+    if on_main:
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM,
+                                                            signal.SIGHUP)}
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, pass_on)
+        signal.signal(signal.SIGHUP, pass_on)
+    try:
+        return os.waitpid(pid, 0)[1]
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def _outcome(status: int, finished: bool) -> int:
+    """The run's exit code from the job's wait status; says why when the job did not finish."""
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
+        print(
+            f"tpu-launch --compile-only: the job was killed by {signal.Signals(number).name} "
+            "before it finished (the kernel's OOM killer, the script itself, or a kill from "
+            "outside); what it recorded was in that process: nothing was compiled or reported.",
+            file=sys.stderr,
+        )
+        return 128 + number
+    code = os.waitstatus_to_exitcode(status)
+    if not finished:
+        print(
+            f"tpu-launch --compile-only: the job ended with code {code} before it finished "
+            "(the script ended the process: os._exit from a thread, or an exit from native "
+            "code); nothing was compiled or reported.",
+            file=sys.stderr,
+        )
+        return code or 1
+    return code
 
 
 _LATE_VARS = frozenset({
@@ -167,18 +280,54 @@ def _serve_store() -> object:
     return store
 
 
+class _ProcessExit(BaseException):
+    """The script called ``os._exit(code)`` from the main thread (:func:`_ending_the_script`)."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _ending_the_script() -> object:
+    """While the script runs, ``os._exit`` called from the main thread ends the script only
+    (:class:`_ProcessExit`, unwinding it as ``sys.exit`` would): what it recorded is still
+    compiled and reported. From another thread it ends the process, as always (the launcher
+    then says the job did not finish)."""
+    real = os._exit
+
+    def _exit(code: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise _ProcessExit(int(code))
+        real(code)
+
+    os._exit = _exit
+    try:
+        yield
+    finally:
+        os._exit = real
+
+
 def _run_script(mode: str, target: str, args: list[str]) -> int:
     import runpy
     import traceback
 
     sys.argv = [target, *args]
     try:
-        if mode == "module":
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-            runpy.run_path(target, run_name="__main__")
+        with _ending_the_script():
+            if mode == "module":
+                sys.path.insert(0, os.getcwd())
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+                runpy.run_path(target, run_name="__main__")
+    except _ProcessExit as exc:
+        print(
+            f"tpu-launch --compile-only: the script called os._exit({exc.code}); what it "
+            "recorded until then is compiled and reported.",
+            file=sys.stderr,
+        )
+        return exc.code
     except SystemExit as exc:
         code = exc.code
         if code is None:
@@ -196,8 +345,23 @@ def _run_script(mode: str, target: str, args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tpu_dist.launch._compile_only [--report FILE] {python|module} TARGET ARGS...``"""
+    """``python -m tpu_dist.launch._compile_only [--done-fd FD] [--report FILE]
+    [--real-tensors] {python|module} TARGET ARGS...``; with ``--done-fd``, writes one byte to
+    FD once the run finished (the launcher's sign that it was not cut short)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    done_fd = None
+    if argv[:1] == ["--done-fd"]:
+        done_fd, argv = int(argv[1]), argv[2:]
+    try:
+        return _run(argv)
+    finally:
+        if done_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(done_fd, b"1")
+                os.close(done_fd)
+
+
+def _run(argv: list[str]) -> int:
     report_path, real_tensors = None, False
     if argv[:1] == ["--report"]:
         report_path, argv = argv[1], argv[2:]
@@ -238,12 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     store = _serve_store()
     started = time.monotonic()
     if real_tensors:
-        with session.measure_steps():
+        with compile_job.refusing_saves() as refused, session.measure_steps():
             code = _run_script(mode, target, args)
     else:
         from tpu_dist.compile_job import LargeTensorsFake
 
-        with LargeTensorsFake() as fake, session.measure_steps():
+        with compile_job.refusing_saves() as refused, LargeTensorsFake() as fake, \
+                session.measure_steps():
             code = _run_script(mode, target, args)
         print(
             f"tpu-launch --compile-only: ran with fake tensors ({fake.faked} made fake, "
@@ -258,6 +423,12 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     script_seconds = time.monotonic() - started
+    if refused:
+        print(
+            f"tpu-launch --compile-only: refused {len(refused)} checkpoint save(s), nothing "
+            f"written: {', '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}",
+            file=sys.stderr,
+        )
     try:
         report = session.compile(rank, script_seconds)
     except RuntimeError as err:
