@@ -128,7 +128,7 @@ class Plan:
     A call can be rejected on some ranks only, when a check reads an argument that only those
     ranks pass or that differs between ranks by design (the root's ``scatter_list``, a rank's
     own split sizes): the other ranks' calls are valid. Such a rank's plan is still made: it
-    has ``rejected`` set, and its blocks carry its *verdict* (:func:`_verdicts`), so the program
+    has ``rejected`` set, and its blocks carry its *verdict* (:func:`_verdict`), so the program
     every rank runs tells every rank that the call was rejected somewhere. Every rank's finish
     step then raises (``DistBackendError`` naming the rejecting ranks) and writes nothing, the
     pipeline raises ``rejected`` on the rejecting ranks, and the group's ranks stay in step:
