@@ -158,10 +158,16 @@ _PROCESS = textwrap.dedent(
         "seed": torch.initial_seed(),
         "draw": float(torch.rand(1)),
     }
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    with open(os.path.join(sys.argv[1], f"{attempt}-{os.environ['RANK']}.json"), "w") as f:
+    attempt, rank = os.environ["TORCHELASTIC_RESTART_COUNT"], os.environ["RANK"]
+    with open(os.path.join(sys.argv[1], f"{attempt}-{rank}.json"), "w") as f:
         json.dump(state, f)
-    sys.exit(1 if attempt == "0" and os.environ["RANK"] == "0" else 0)
+    if attempt == "0" and rank == "0":  # fail, once the other rank has written its facts
+        import time
+        other = os.path.join(sys.argv[1], "0-1.json")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(other) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        sys.exit(1)
     """
 )
 
