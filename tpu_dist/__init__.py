@@ -18,7 +18,7 @@ created; ``import tpu_dist`` then registers its own creator in its place. Subpac
 
 The layers, lowest first (each imports only those below it; ``tests/test_layers.py`` checks):
 ``mesh`` < ``collectives`` < ``dtensor_ext``, ``compile_job`` < ``launch`` < ``bench``;
-``tpu_dist/ARCHITECTURE.md`` has the map and the life of one collective.
+``docs/architecture.md`` has the map and the life of one collective.
 """
 
 from __future__ import annotations
