@@ -1,4 +1,4 @@
-"""XLA:CPU compile options for small collective programs: compilation and run, each way (E49).
+"""XLA:CPU compile options for small collective programs: compile and run, each way (decision 0007).
 
 One process with ``--devices`` CPU devices (``--xla_force_host_platform_device_count``; XLA's
 in-process collectives, no gloo). For each program kind the backend builds on CPU, the same

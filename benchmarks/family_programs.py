@@ -1,6 +1,7 @@
-"""Issue 33 measurements: "family" programs (one program over all devices of a family of groups,
-the family's groups as replica groups) against today's subset programs (one program over just
-one group's devices). Reports; asserts nothing. Notes and results: benchmarks/ISSUE33_NOTES.md.
+"""Issue 33 measurements: "family" programs (one program over all devices of a family of groups, the
+family's groups as replica groups) against today's subset programs (one program over just one
+group's devices). Reports; asserts nothing. Notes and results:
+docs/decisions/0020-family-programs-study.md.
 
 Each part is its own subcommand (run with your tree first on PYTHONPATH):
 

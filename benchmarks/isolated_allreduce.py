@@ -1,4 +1,4 @@
-"""An isolated mid-size all_reduce: where a "tpu" call's time goes, beside gloo (E32).
+"""An isolated mid-size all_reduce: where a "tpu" call's time goes, beside gloo (decision 0005).
 
 2 ranks spawned here with the environment ``tpu-dist-bench`` gives its ranks
 (``OMP_NUM_THREADS=1``, ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``), float32 sum. For each size,

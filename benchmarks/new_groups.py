@@ -1,4 +1,4 @@
-"""The first collectives of new groups of the same size: a 2-D mesh's two dims (E30).
+"""The first collectives of new groups of the same size: a 2-D mesh's two dims (decision 0010).
 
 4 ranks under torchrun, a (dp, tp) = (2, 2) ``init_device_mesh``: the tp groups are ranks
 [0, 1] and [2, 3], the dp groups [0, 2] and [1, 3]. Each rank times the first all_reduce
@@ -57,7 +57,7 @@ for dim in dims:
 dist.barrier()
 if backend == "tpu":
     marks["built"] = compile_count() - built
-    origins = getattr(_runtime.get().programs, "origins", {})  # none before E30's change
+    origins = getattr(_runtime.get().programs, "origins", {})  # none before decision 0010's change
     origins = [o for key, o in origins.items() if key not in known]
     for origin in ("compiled", "reused", "disk"):
         marks[origin] = origins.count(origin)

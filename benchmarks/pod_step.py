@@ -8,12 +8,13 @@ compiler), whether every program compiled, and the report's ``"step"`` object ne
 
 * the analytic FLOP count (:func:`tpu_dist.compile_job.flops_per_token`, TorchTitan's ``6N +
   12 L H d_h s``) of the same tokens: counted / analytic, and
-* for the MaxText shapes (AI-Hypercomputer/tpu-recipes, training/ironwood: pure FSDP,
-  sequences per device, measured step and MFU; benchmarks/README.md E36), the bound over the
+* for the MaxText shapes (AI-Hypercomputer/tpu-recipes, training/ironwood: pure FSDP, sequences per
+  device, measured step and MFU; docs/decisions/0025-step-time-model.md), the bound over the
   measured step and the model-FLOP MFU the bound allows.
 
-Reported, not asserted. One JSON line per case goes to ``--out`` as well, and ``--keep DIR``
-keeps each run's report, picture and output. Measured: benchmarks/README.md E42.
+Reported, not asserted. One JSON line per case goes to ``--out`` as well, and ``--keep DIR`` keeps
+each run's report, picture and output. Measured:
+docs/decisions/0027-lazy-fsdp2-chunks-in-compile-only.md.
 
     python benchmarks/pod_step.py --cases 8b-pod 70b-pod
     python benchmarks/pod_step.py --cases 70b-maxtext --keep runs/

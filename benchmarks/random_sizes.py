@@ -1,4 +1,6 @@
-"""Random message sizes: where a new size's time goes on "tpu", beside gloo (issue 34, item 7; E35).
+"""Random message sizes: where a new size's time goes on "tpu", beside gloo (issue 34, item 7).
+
+Measured: docs/decisions/0012-new-message-sizes-compile.md.
 
 Every new (op, group, size, dtype) needs its own XLA program on the "tpu" backend: compiled, or
 loaded from the on-disk compile cache (``TPU_DIST_COMPILE_CACHE``) or from another rank's compile

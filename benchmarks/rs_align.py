@@ -1,20 +1,20 @@
 """Does padding a TPU reduce-scatter's parts to 128 elements buy anything? (issue 31 follow-up)
 
 The "tpu" plan pads each rank's part of a TPU reduce-scatter to a multiple of
-``_plan.TPU_BLOCK_ALIGN`` (128) elements, as it pads all-gather blocks (to 1,024), where
-unaligned blocks made libtpu's compiler take seconds to minutes and gigabytes (E44, E45). For
-reduce-scatters no gain was measured. This compiles the backend's own reduce-scatter plan for
-parts of ``n`` elements, unaligned (the padding switched off), padded to 128 (the plan as it
-is) and padded to 1,024, over groups where FSDP reduce-scatters run: part of a slice (a group's
-own program on v4, v5p and TPU7x, the family's on v5e and v6e), a whole slice, and across two
-slices. Each compile runs in a child limited to ``--limit-gib`` of address space and
-``--timeout`` seconds; a row gives the compile's seconds, the child's peak RSS and the HLO
-collectives, or how the child died.
+``_plan.TPU_BLOCK_ALIGN`` (128) elements, as it pads all-gather blocks (to 1,024), where unaligned
+blocks made libtpu's compiler take seconds to minutes and gigabytes
+(docs/decisions/0022-tpu-block-alignment.md). For reduce-scatters no gain was measured. This
+compiles the backend's own reduce-scatter plan for parts of ``n`` elements, unaligned (the padding
+switched off), padded to 128 (the plan as it is) and padded to 1,024, over groups where FSDP
+reduce-scatters run: part of a slice (a group's own program on v4, v5p and TPU7x, the family's on
+v5e and v6e), a whole slice, and across two slices. Each compile runs in a child limited to
+``--limit-gib`` of address space and ``--timeout`` seconds; a row gives the compile's seconds, the
+child's peak RSS and the HLO collectives, or how the child died.
 
     python benchmarks/rs_align.py                 # every case, f32 and bf16
     python benchmarks/rs_align.py --cases v5e-family --dtypes float32
 
-Reported, not asserted (benchmarks/README.md E52).
+Reported, not asserted (docs/decisions/0022-tpu-block-alignment.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Issue 31: which whole-slice all-gather / reduce-scatter programs libtpu 0.0.52 accepts on TPU7x.
 
-A pure-FSDP job over a whole TPU7x slice (MaxText's layout) needs an all-gather and a
-reduce-scatter over *every* device of the slice. libtpu rejects XLA's native all-gather there
-(``RET_CHECK ... async-update instruction should have 1 operands but sees 2``, F3 in
-benchmarks/ISSUE33_NOTES.md). This script compiles many forms of the same collective over
-libtpu's compile-only devices and records, per form: compiled or how it failed, the collective
-ops of the compiled HLO (kind, replica groups, operand shapes), the scratch memory
+A pure-FSDP job over a whole TPU7x slice (MaxText's layout) needs an all-gather and a reduce-scatter
+over *every* device of the slice. libtpu rejects XLA's native all-gather there (``RET_CHECK ...
+async-update instruction should have 1 operands but sees 2``, F3 in
+docs/decisions/0020-family-programs-study.md). This script compiles many forms of the same
+collective over libtpu's compile-only devices and records, per form: compiled or how it failed, the
+collective ops of the compiled HLO (kind, replica groups, operand shapes), the scratch memory
 (``memory_analysis().temp_size_in_bytes``) and the compile time. Reports; asserts nothing.
 
     python benchmarks/slice_programs.py sweep [--topologies tpu7x:4x4x4 ...] [--blocks 128,1024]

@@ -1,4 +1,4 @@
-"""Where a command's CPU goes, by kind of process (benchmarks/README.md, E31c).
+"""Where a command's CPU goes, by kind of process (docs/decisions/0030-test-suite-time.md).
 
 Runs a command (by default the README's test command) while reading every process's CPU time
 from ``/proc`` every 0.3 s, then prints the CPU-seconds of each kind of process and the share of

@@ -1,4 +1,4 @@
-"""Each test's wall time and CPU-seconds in a whole-suite run (benchmarks/README.md, E39).
+"""Each test's wall time and CPU-seconds in a whole-suite run (decision 0030).
 
 A pytest plugin: at the start and end of every test, each pytest(-xdist) worker writes the time
 and the CPU-seconds used so far by itself and every process under it (live descendants' own and

@@ -1,4 +1,6 @@
-"""A tour of the "tpu" backend: every collective the README's support table lists, each checked.
+"""A tour of the "tpu" backend: every collective of its support table, each checked.
+
+(The support table is in docs/reference/backend.md.)
 
 Every rank computes, from its own rank and the world size alone, what each collective must
 give it, and raises if the result differs; rank 0 prints one line per collective (what it

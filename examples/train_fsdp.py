@@ -485,7 +485,8 @@ def leave(backend: str) -> None:
     thread frees its last collective's tensors a moment after ``wait`` returned; that takes the
     GIL, and if Python 3.11's teardown has begun, the thread is ended inside a ``noexcept``
     destructor: ``terminate called without an active exception`` (SIGABRT) after a run that
-    finished, 4-6 of 25-40 launches on a loaded host (torch 2.13; benchmarks/README.md E33).
+    finished, 4-6 of 25-40 launches on a loaded host (torch 2.13;
+    docs/decisions/0019-examples-leave-without-finalization-on-gloo.md).
     A failing run never gets here: its exception ends it the ordinary way.
     """
     if backend == tpu_dist.BACKEND:

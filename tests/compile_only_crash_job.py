@@ -1,4 +1,4 @@
-"""A job with one program libtpu 0.0.52's compiler cannot compile: run with
+"""A job with one program libtpu's compiler cannot compile (docs/reference/libtpu.md): run with
 ``tpu-launch --emulate tpu7x:16x16x32 --compile-only`` (tests/test_compile_only.py).
 
 A psum over one core of every chip of ``tpu7x:16x16x32`` (8,192 of its 16,384 devices, all in

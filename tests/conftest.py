@@ -45,7 +45,8 @@ def pytest_configure(config: pytest.Config) -> None:
     of the suite's time on a small machine. Two caches, both in the temp directory and both the
     suite's own (never the user's): JAX's persistent cache (rank 0's programs, and any other
     jit program) and tpu_dist's compile cache (every rank's collective programs; measured in
-    benchmarks/README.md, E26: three collectives files 76 s with an empty cache, 27 s warm).
+    docs/decisions/0009-on-disk-compile-cache.md: three collectives files 76 s with an empty
+    cache, 27 s warm).
     Kept across sessions: an entry is found only under the digest of the code that builds it
     (a changed ``_lowering.py`` misses), damaged entries are recompiled with a warning, and
     ``tests/test_compile_cache.py`` uses directories of its own. Workers of ``pytest -n`` and
@@ -53,17 +54,17 @@ def pytest_configure(config: pytest.Config) -> None:
     so they are set here, before the forkserver that workers come from imports it; a value the
     user set wins (``TPU_DIST_COMPILE_CACHE=0`` runs the suite without tpu_dist's cache).
 
-    One thread for torch's ops in every process of the suite (``OMP_NUM_THREADS=1``, unless
-    the user set it), as torchrun gives each of several workers on a host: ``pytest -n 2``
-    already keeps every core busy, and with a pool of one thread a core per process, the
-    pools of concurrent processes (test processes, their worlds' ranks, launched jobs) spun
-    against each other (benchmarks/README.md, E46). Set before anything here imports torch,
+    One thread for torch's ops in every process of the suite (``OMP_NUM_THREADS=1``, unless the
+    user set it), as torchrun gives each of several workers on a host: ``pytest -n 2`` already
+    keeps every core busy, and with a pool of one thread a core per process, the pools of
+    concurrent processes (test processes, their worlds' ranks, launched jobs) spun against each
+    other (docs/decisions/0030-test-suite-time.md). Set before anything here imports torch,
     which reads it then.
 
     tpu_dist's bytecode is written once, before any test starts (Python's own ``__pycache__``,
     as every import writes it unless ``PYTHONDONTWRITEBYTECODE`` is set, as it is on the CI
     machine): else each of the suite's few hundred processes that import tpu_dist (launchers,
-    ranks, compile-only jobs) compiles its sources again, about 0.15 CPU-s each (E46).
+    ranks, compile-only jobs) compiles its sources again, about 0.15 CPU-s each (the same record).
 
     Also keeps pytest-xdist from reordering the modules (see :data:`_LONGEST_FIRST`).
     """
@@ -130,7 +131,7 @@ _LONGEST_FIRST = (
     "test_launch_tpu_backend", "test_launch_netns", "test_mesh_device_mesh",
 )
 """The modules that take longest, longest first (each module's wall time in a ``pytest -n 2
---dist loadfile`` run, benchmarks/README.md E31c, re-measured in E39 and E46: the modules
+--dist loadfile`` run, docs/decisions/0030-test-suite-time.md: the modules
 of 7 s or more). ``--dist loadfile``
 hands whole modules to the two workers in the order of this list, then the rest in
 collection order: a long module handed out last (such as test_examples, with few tests)
@@ -141,10 +142,11 @@ would leave the other worker idle while it runs. pytest-xdist would instead orde
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Move what collection created (torch, JAX, every test module) to the collector's
-    permanent generation (``gc.freeze``), so that the full collections the tests set off in
-    this process (each pytest-xdist worker runs a few hundred tests in-process) do not scan
-    it again each time: 6.8 of the two workers' 58 CPU-s were the collector's before
-    (benchmarks/README.md, E50). Nothing collection made becomes garbage while tests run."""
+    permanent generation (``gc.freeze``), so that the full collections the tests set off in this
+    process (each pytest-xdist worker runs a few hundred tests in-process) do not scan it again
+    each time: 6.8 of the two workers' 58 CPU-s were the collector's before
+    (docs/decisions/0030-test-suite-time.md). Nothing collection made becomes garbage while
+    tests run."""
     gc.freeze()
 
 

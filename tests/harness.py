@@ -815,7 +815,7 @@ functional collectives import at their first call, and DTensor through them) and
 worker imports its test module, which imports pytest). Each worker imported those itself
 before: about 1.6 CPU-s per worker of a DTensor or funcol module; six collective and DTensor
 modules took 235-241 CPU-s and 156-159 s without them, 165-171 CPU-s and 121-126 s with them
-(benchmarks/README.md, E47). None of them starts a thread."""
+(docs/decisions/0030-test-suite-time.md). None of them starts a thread."""
 
 
 def _worker_context() -> multiprocessing.context.BaseContext:
@@ -856,7 +856,7 @@ def _apply_thread_count() -> None:
     what a fresh process's import would have done with it. Without it each rank of a world ran
     torch's ops on as many threads as the machine has cores: on 2 cores a 4-rank world's
     threads spun against each other, and ``tests/test_fsdp_tp_ddp.py`` took 64 s instead of 35
-    (benchmarks/README.md, E46)."""
+    (docs/decisions/0030-test-suite-time.md)."""
     value = os.environ.get("OMP_NUM_THREADS", "")
     if value.isdigit() and int(value) > 0:
         import torch

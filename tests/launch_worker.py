@@ -157,7 +157,8 @@ def _fault(args: argparse.Namespace, rank: int) -> None:
         # The others hold SIGTERM from before the group exists (rank 0 dies only after _init's
         # all_reduce, which waits for them), so no stop by the launcher can come before the
         # handler. Twice in a busy CI run rank 1 was nevertheless stopped by SIGTERM without a
-        # CAUGHT line on gloo (benchmarks/README.md, E50): what it printed instead says why.
+        # CAUGHT line on gloo (docs/decisions/0030-test-suite-time.md): what it printed instead
+        # says why.
         terms: list[int] = []
         if rank != 0:
             signal.signal(signal.SIGTERM, lambda signum, frame: terms.append(signum))

@@ -63,10 +63,10 @@ def _env(**extra: str) -> dict[str, str]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, dict | None]]:
     """Every launch of this module: name -> (exit code, output, JSON report).
 
-    As many run at once as the machine has cores, the longest first: all eight at once took
-    more CPU and more time than two at a time on two cores (67-82 CPU-s and 35-42 s against
-    58-61 CPU-s and 30-32 s, benchmarks/README.md E49): each is a busy process from its start,
-    nothing in it waits."""
+    As many run at once as the machine has cores, the longest first: all eight at once took more
+    CPU and more time than two at a time on two cores (67-82 CPU-s and 35-42 s against 58-61
+    CPU-s and 30-32 s, docs/decisions/0030-test-suite-time.md): each is a busy process from its
+    start, nothing in it waits."""
     tmp = tmp_path_factory.mktemp("compile_only")
     counts = tmp / "counts"
     counts.mkdir()

@@ -2,7 +2,8 @@
 
 ``tpu_dist.collectives._lowering.compiler_options`` gives a CPU program whose blocks times its
 group size hold at most ``FAST_COMPILE_MAX_BYTES`` XLA:CPU's fast-compile options (older fusion
-code generator, no LLVM optimization), 2-5x less compilation (benchmarks/README.md, E49). The
+code generator, no LLVM optimization), 2-5x less compilation
+(docs/decisions/0007-fast-compile-for-small-cpu-programs.md). The
 backend's correctness tests (``test_collectives_*``) run through them; here, one process with
 four CPU devices compiles each kind of program both ways and runs both on the same random data:
 the outputs must be the same bits, and the fast options must be the ones chosen.

@@ -24,12 +24,13 @@ relative); the tolerance is rel 1e-4.
    torch and JAX itself, 21.5 CPU-s for the four in a suite run, where tpu-launch forks them
    from one process that imported both.)
 7. ``examples/collectives_tour.py`` on "tpu" (tpu-launch) and on gloo (torchrun), 4 ranks: every
-   collective of the README's support table, checked on every rank, no deprecation warning, and
-   none of libtpu's start-up lines where libtpu is installed.
-8. The README's compile-only command with ``examples/train_fsdp_tp.py`` on a smaller topology
-   (32 TPU7x devices, dp 16: the old default batch of 8 did not split there) with the default
-   batch, and libtpu's start-up lines absent; the default batch and the mesh summary at 8,192
-   ranks (torch's fake backend), where the whole mesh was about 50 KB on one line.
+   collective of docs/reference/backend.md's support table, checked on every rank, no
+   deprecation warning, and none of libtpu's start-up lines where libtpu is installed.
+8. The dry-run guide's command (docs/guides/compile-only.md) with ``examples/train_fsdp_tp.py``
+   on a smaller topology (32 TPU7x devices, dp 16: the old default batch of 8 did not split
+   there) with the default batch, and libtpu's start-up lines absent; the default batch and the
+   mesh summary at 8,192 ranks (torch's fake backend), where the whole mesh was about 50 KB on
+   one line.
 
 Every training example's last line on stdout is ``final loss X after N steps``.
 """
@@ -186,7 +187,7 @@ def test_dtensor_jax_refuses_gloo_with_the_reason() -> None:
     assert "this example needs the 'tpu' backend" in proc.stderr and "unrecognized" not in proc.stderr
 
 
-# What the README's support table lists, as the tour's rank 0 names each check.
+# What docs/reference/backend.md's support table lists, as the tour's rank 0 names each check.
 _TOUR_CHECKS = (
     "all_reduce SUM", "all_reduce MAX int32", "all_reduce int64", "all_gather_single bf16", "all_gather (list)",
     "reduce_scatter_single", "reduce_scatter (list)", "broadcast from 3", "scatter from 0", "gather to 0",
@@ -214,10 +215,10 @@ def test_collectives_tour(launcher: str, backend: str) -> None:
         assert "20 repeated all_reduces" in proc.stdout and "no new program" in proc.stdout
 
 
-# -- at the scale of a pod: the README's compile-only command (issue 35) -----------------------
+# -- at the scale of a pod: the dry-run guide's command (issue 35) ------------------------------
 
-# What libtpu 0.0.52 printed when it loaded without TPU_ACCELERATOR_TYPE / TPU_WORKER_HOSTNAMES
-# (every compile-only run did): it reads like an error and is not one.
+# What libtpu (docs/reference/libtpu.md) printed when it loaded without TPU_ACCELERATOR_TYPE /
+# TPU_WORKER_HOSTNAMES (every compile-only run did): it reads like an error and is not one.
 _LIBTPU_NOISE = ("Failed to find host bounds for accelerator type", "unexpected worker hostname",
                  "Logging before InitGoogle", "Source Location Trace", "could not determine TPU")
 
@@ -227,16 +228,16 @@ def _libtpu_noise(stderr: str) -> list[str]:
 
 
 def test_readme_compile_only_command_runs_with_the_default_batch(tmp_path: Path) -> None:
-    """The README's ``tpu-launch --emulate tpu7x:16x16x16 --compile-only --compile-report
-    plan.json examples/train_fsdp_tp.py`` (8,192 devices: 33-37 s, 0.76 GiB peak, by hand) on
-    ``tpu7x:2x2x4``: 32 devices, a (16, 2) mesh. The old default batch of 8 did not split over 16
-    data-parallel ranks (exit 1, ``ValueError: global batch 8 does not split over 16``); the
-    default is now one sequence per data-parallel rank. Three steps instead of 20 (the same
-    programs) at sequence 2,048, so that the logits are fake tensors: every call of the third
-    step, which the step meter no longer measures, must be recorded too (loss_parallel's three
-    cross-entropy all-reduces a step, issued from inside DTensor's dispatch, were recorded only
-    while the meter's modes sat above the fake mode). libtpu loads in this run: none of its
-    start-up lines may show."""
+    """The dry-run guide's (docs/guides/compile-only.md) ``tpu-launch --emulate tpu7x:16x16x16
+    --compile-only --compile-report plan.json examples/train_fsdp_tp.py`` (8,192 devices: 33-37
+    s, 0.76 GiB peak, by hand) on ``tpu7x:2x2x4``: 32 devices, a (16, 2) mesh. The old default
+    batch of 8 did not split over 16 data-parallel ranks (exit 1, ``ValueError: global batch 8
+    does not split over 16``); the default is now one sequence per data-parallel rank. Three
+    steps instead of 20 (the same programs) at sequence 2,048, so that the logits are fake
+    tensors: every call of the third step, which the step meter no longer measures, must be
+    recorded too (loss_parallel's three cross-entropy all-reduces a step, issued from inside
+    DTensor's dispatch, were recorded only while the meter's modes sat above the fake mode).
+    libtpu loads in this run: none of its start-up lines may show."""
     pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu (pip install libtpu)")
     report = tmp_path / "plan.json"
     proc = subprocess.run(

@@ -5,7 +5,8 @@ Each test runs ``tests/launch_worker.py`` in a fault mode with two workers on bo
 (the slow one on "tpu" only) and checks what the launcher reports: the failing rank and its own
 exit code as the root cause, a correct job's exit 0, every worker gone. The launches that only
 wait for their fault run three at a time (the ``faults`` fixture); timings are not asserted
-(the machine is shared); ``benchmarks/README.md`` (E23) has the measured ones.
+(the machine is shared); ``docs/decisions/0015-failing-workers-and-restarts.md`` has the
+measured ones.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def faults() -> dict[str, tuple[int, str, str]]:
 
     Most of each launch is waiting (for a timeout, a sleeping rank, a barrier), but its start
     (launcher, zygote, two ranks) is busy: all eight at once took 27-29 s and 25-30 CPU-s on two
-    cores, three at a time 19-20 s and 22-26 CPU-s (benchmarks/README.md, E49)."""
+    cores, three at a time 19-20 s and 22-26 CPU-s (docs/decisions/0030-test-suite-time.md)."""
     launches = _fault_launches()
     order = sorted(launches, key=lambda name: not name.startswith("late-finish"))
 

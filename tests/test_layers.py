@@ -2,7 +2,7 @@
 
 Read from the source with ``ast``, so every import counts: at module top, inside functions
 (a lazy import still ties two modules together), and under ``TYPE_CHECKING``. Layers, lowest
-first (``tpu_dist/ARCHITECTURE.md``)::
+first (``docs/architecture.md``)::
 
     _settings, _process < mesh < collectives < dtensor_ext, compile_job < launch < bench
     < tpu_dist
@@ -13,7 +13,7 @@ are imported (no ``_``-prefixed module of another subpackage), except ``tpu_dist
 (every knob of the package, declared once), ``tpu_dist._process`` (every piece of
 process-wide state, declared once) and the few named in :data:`_REACHES` with the reason.
 
-Per-process state has one owner (ARCHITECTURE.md, "Per-process state"), read from the source
+Per-process state has one owner (docs/architecture.md, "Per-process state"), read from the source
 with ``ast`` too: :func:`test_module_state_has_one_owner` fails on a ``global`` statement, a
 module-level container mutated inside a function, an assignment to another tpu_dist module's
 attribute, or a ``functools`` cache not listed in :data:`_MEMOISED`, anywhere but in
@@ -234,7 +234,7 @@ _WHERE = (
     "(collectives/_runtime.py), or, when what it mirrors is process-wide, in tpu_dist/_process.py "
     "with a docstring saying why, who writes it and who reads it; a memoised pure fact of "
     "constants may be a functools cache listed in tests/test_layers.py's _MEMOISED "
-    "(tpu_dist/ARCHITECTURE.md, 'Per-process state')."
+    "(docs/architecture.md, 'Per-process state')."
 )
 
 
@@ -422,7 +422,7 @@ def test_the_state_check_sees_each_kind_of_state(tmp_path, monkeypatch) -> None:
 
 def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
     """A new :class:`~tpu_dist.collectives._types.Kind` needs its body factory in
-    ``_lowering._BODIES`` (the ``"xla"`` algorithm; ARCHITECTURE.md, "Where a new program kind
+    ``_lowering._BODIES`` (the ``"xla"`` algorithm; docs/architecture.md, "Where a new program kind
     goes"); the bodies stay in ``_lowering`` (they need JAX, ``_types`` must not import it)."""
     import typing
 

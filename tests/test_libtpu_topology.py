@@ -168,9 +168,9 @@ def test_plan_mesh_on_libtpu_devices(gen: str, topo: str, ici: tuple[int, ...]) 
     (a snake through its torus axes), where JAX lists a plane row by row and some consecutive
     members are two or more hops apart. Ring collectives along the axis then use only
     neighbour links; the members and the DCN axis are the same, so ours is equal or better.
-    Measured (libtpu 0.0.52): the 16-way fsdp axis (an x-y plane) takes 128 ring hops in all
-    with ours, at most 1 per step, and 160 with JAX's (v5p; TPU7x 256 vs 320), steps of up to 2
-    hops; the tp axis is 128 vs 128 on both.
+    Measured (libtpu: docs/reference/libtpu.md): the 16-way fsdp axis (an x-y plane) takes 128
+    ring hops in all with ours, at most 1 per step, and 160 with JAX's (v5p; TPU7x 256 vs 320),
+    steps of up to 2 hops; the tp axis is 128 vs 128 on both.
     """
     from jax.experimental import mesh_utils
 

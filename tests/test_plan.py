@@ -473,10 +473,11 @@ def _tpu_group(rank: int) -> GroupView:
 
 @pytest.mark.parametrize("n", [1000, 1024, 1, 129])
 def test_tpu_all_gather_pads_each_rank_to_128_elements(n: int) -> None:
-    """On TPU, each rank's all-gather block is padded to a multiple of 128 elements (E45: an
-    unaligned cross-slice all-gather did not compile in 8 GiB); the program's gathered result
-    is ``size`` padded parts, and the finish writes the unpadded ones: rank r's input, in
-    order. Checked against torch.cat of the inputs, the result assembled as XLA would."""
+    """On TPU, each rank's all-gather block is padded to a multiple of 128 elements
+    (docs/decisions/0022-tpu-block-alignment.md: an unaligned cross-slice all-gather did not
+    compile in 8 GiB); the program's gathered result is ``size`` padded parts, and the finish
+    writes the unpadded ones: rank r's input, in order. Checked against torch.cat of the inputs,
+    the result assembled as XLA would."""
     inputs = [torch.arange(n, dtype=torch.float32) * (r + 1) + r for r in range(4)]
     plans = [_plan.all_gather_into_tensor(_tpu_group(r), torch.empty(4 * n), inputs[r])
              for r in range(4)]

@@ -97,7 +97,8 @@ def _run_groups(rank: int, world_size: int, groups: list[list[int]]) -> dict:
             got[name] = t.tolist()
         ids = tuple(rt.devices[r].id for r in ranks)
         origins = sorted(o for key, o in rt.programs.origins.items() if key.devices == ids)
-        # Loaded programs too start through the executable's own execute (E14's fast path).
+        # Loaded programs too start through the executable's own execute (decision 0002's fast
+        # path, docs/decisions/).
         fast = all(p.execute is not None for k, p in rt.programs.by_key.items() if k.devices == ids)
         out[json.dumps(ranks)] = {"results": got, "origins": origins, "fast": fast}
     return out

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import re
 
@@ -141,7 +142,25 @@ def test_library_reads_tpu_dist_variables_only_through_settings() -> None:
     assert not offenders, offenders
 
 
-def test_readme_lists_every_setting() -> None:
-    readme = (ROOT / "README.md").read_text()
-    missing = [s.env for s in _settings.SETTINGS if f"`{s.env}`" not in readme]
-    assert not missing
+def _settings_reference_tool():
+    """``tools/settings_reference.py`` (not a package: loaded from its file)."""
+    spec = importlib.util.spec_from_file_location(
+        "settings_reference", ROOT / "tools" / "settings_reference.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_settings_reference_is_current() -> None:
+    # docs/reference/settings.md's table is generated from the declarations: a setting added,
+    # removed or reworded without regenerating it fails here.
+    tool = _settings_reference_tool()
+    committed = tool.committed_table(tool.PAGE.read_text())
+    assert committed == tool.render(_settings.SETTINGS), (
+        "docs/reference/settings.md's settings table is stale: run "
+        "python tools/settings_reference.py --write"
+    )
+    # Read back from the page itself: one row per declared setting, in declared order.
+    rows = re.findall(r"^\| `(TPU_DIST_[A-Z_]+)` \|", committed, flags=re.MULTILINE)
+    assert rows == [s.env for s in _settings.SETTINGS], rows

@@ -366,7 +366,7 @@ def test_fake_memory_estimate_matches_a_real_four_rank_run() -> None:
     each rank under a StepMeter) against ``--compile-only`` of the same arguments on 4 devices
     (fake tensors): rank 0's peak tensor bytes of the second step within 10 % (measured: equal,
     to the byte), and the same FLOPs and tokens. (With the "tpu" backend on CPU the real run
-    holds more: 1.29x at sequence 512, benchmarks/README.md E38.)"""
+    holds more: 1.29x at sequence 512, docs/decisions/0026-measured-step-in-compile-only.md.)"""
     pytest.importorskip("libtpu", reason="compile-only mode compiles with libtpu")
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from step_memory_check import compare

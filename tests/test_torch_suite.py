@@ -3,7 +3,7 @@
 Every test of torch's suite spawns its ranks afresh (importing torch and JAX, starting JAX's
 distributed runtime: about 5-8 s a test on 2 idle cores, far more under load), so the whole
 selection (76 tests, 2 ranks) is run by hand (``python -m tests.torch_suite``, see
-benchmarks/README.md) and only the tests of the two features the suite found missing run here.
+docs/reference/backend.md) and only the tests of the two features the suite found missing run here.
 The DDP selection (``python -m tests.torch_suite --ddp``, 12 tests, 144 s on "tpu") stays out
 too, on demand: the suite's time budget has no 2+ minutes for it; DDP's join, unused
 parameters and comm hooks on the group object are checked in tests/test_collectives_faults.py.

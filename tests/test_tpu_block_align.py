@@ -1,7 +1,10 @@
-"""TPU all-gather blocks padded to 128 elements compile where unaligned ones did not (E45).
+"""TPU all-gather blocks padded to 128 elements compile where unaligned ones did not.
+
+Measured: docs/decisions/0022-tpu-block-alignment.md.
 
 Llama-3-70B on two ``v5p:8x8x8`` slices at dp 128 (tp 8 within a slice) all-gathers 1,950,000
-bf16 elements a rank over 128 devices of both slices. libtpu 0.0.52's compiler took more than
+bf16 elements a rank over 128 devices of both slices. libtpu's compiler (docs/reference/libtpu.md)
+took more than
 8 GiB on that program and died (35-96 s); the same all-gather of 1,950,080 elements (a multiple
 of 128) compiles in under a second, 1,950,720 (of 1,024) in about 3 s. The "tpu" backend's
 plan now pads each rank's all-gather block to a multiple of 1,024 on v5p
@@ -82,9 +85,10 @@ def test_cross_slice_all_gather_of_an_unaligned_block_compiles() -> None:
 
 
 def test_an_all_gather_block_is_a_multiple_of_1024_on_every_generation() -> None:
-    """Whole-slice all-gathers of 1,000,064 bf16 elements a rank (a multiple of 128): on v4,
-    v5e and v6e libtpu took 16-33 s and 1.1-1.3 GiB on that block, and 0.4-1.4 s on 1,000,448
-    (E45); the plan pads to 1,000,448 on each generation, and each program is one all-gather."""
+    """Whole-slice all-gathers of 1,000,064 bf16 elements a rank (a multiple of 128): on v4, v5e
+    and v6e libtpu took 16-33 s and 1.1-1.3 GiB on that block, and 0.4-1.4 s on 1,000,448
+    (docs/decisions/0022-tpu-block-alignment.md); the plan pads to 1,000,448 on each generation,
+    and each program is one all-gather."""
     proc = subprocess.run(
         [sys.executable, "-c", _IN_SLICE], capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"},

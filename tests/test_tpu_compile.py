@@ -133,7 +133,7 @@ def test_every_data_movement_compiles(
 
 
 def test_complex128_is_a_clear_error_not_a_compiler_crash(small_slice: list) -> None:
-    # libtpu 0.0.52's compiler segfaults the process on any complex128 program.
+    # libtpu's compiler segfaults the process on any complex128 program (docs/reference/libtpu.md).
     with pytest.raises(TypeError, match="complex128 collectives cannot be compiled for TPU"):
         _compile("allreduce", "complex128", ("SUM",), small_slice)
 
@@ -243,9 +243,9 @@ def _whole_slice_plan(devices: list, op: str, dtype: torch.dtype, block: int) ->
     )
 
 
-# Blocks libtpu 0.0.52 refused over a whole TPU7x slice without the generation's compiler
-# options (benchmarks/README.md, E44): 128 and 1,024 elements a rank (issue 31's MaxText
-# programs), and a large bf16 block.
+# Blocks libtpu (docs/reference/libtpu.md) refused over a whole TPU7x slice without the generation's
+# compiler options (docs/decisions/0021-tpu7x-sparsecore-all-reduce-offload-off.md): 128 and 1,024
+# elements a rank (issue 31's MaxText programs), and a large bf16 block.
 _WHOLE_SLICE = [
     ("all_gather", torch.float32, 128),
     ("all_gather", torch.bfloat16, 1024),
@@ -286,8 +286,9 @@ def test_whole_512_device_tpu7x_slice_compiles(op: str) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 def test_a_large_narrow_all_to_all_compiles_on_tpu7x(dtype: torch.dtype) -> None:
     # all_to_all_single of 32 MiB a rank over 4 TPU7x devices: as 16- or 8-bit words libtpu
-    # 0.0.52 refused it ("async-update instruction should have 1 operands but sees 2"); the
-    # plan moves the same bytes as 32-bit words (_plan.exchange_words), which compile.
+    # (docs/reference/libtpu.md) refused it ("async-update instruction should have 1 operands
+    # but sees 2"); the plan moves the same bytes as 32-bit words (_plan.exchange_words), which
+    # compile.
     devices = _tpu7x("4x4x4")[:4]
     view = _plan.GroupView(0, 4, tuple(d.id for d in devices), "tpu", tuple(range(4)),
                            device_kind=devices[0].device_kind)

@@ -1,8 +1,8 @@
 """Family programs compiled by libtpu's TPU compiler, on the generations where they matter.
 
 On TPU v5e and v6e a collective over part of a slice does not compile as a program over the
-group's own devices (libtpu 0.0.52: v5e ``device assignment should include all slice
-devices``; v6e ``Unexpected device_id ... in replica group`` for many groups). A group
+group's own devices (libtpu, docs/reference/libtpu.md: v5e ``device assignment should include
+all slice devices``; v6e ``Unexpected device_id ... in replica group`` for many groups). A group
 registered as one of a family (the groups of a mesh dimension) runs a *family program*
 instead: one program over every device of the family, whose replica groups are the family's
 groups (``ProgramKey.groups``). Here the backend's own plans (``_plan`` functions on a
@@ -18,7 +18,7 @@ where the backend keeps each group's own program, the group's):
 * permutes: every (source, target) pair inside one group.
 
 Every program compiles in this process: only programs measured to compile are here
-(``benchmarks/ISSUE33_NOTES.md``); the subset programs that crash libtpu are not.
+(``docs/decisions/0020-family-programs-study.md``); the subset programs that crash libtpu are not.
 """
 
 from __future__ import annotations

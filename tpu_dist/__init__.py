@@ -18,7 +18,7 @@ created; ``import tpu_dist`` then registers its own creator in its place. Subpac
 
 The layers, lowest first (each imports only those below it; ``tests/test_layers.py`` checks):
 ``mesh`` < ``collectives`` < ``dtensor_ext``, ``compile_job`` < ``launch`` < ``bench``;
-``tpu_dist/ARCHITECTURE.md`` has the map and the life of one collective.
+``docs/architecture.md`` has the map and the life of one collective.
 """
 
 from __future__ import annotations
@@ -31,10 +31,11 @@ from tpu_dist import _process
 # When this import is the one that imports torch (tpu-launch, ``python -m tpu_dist...``), the
 # cyclic collector is paused until it is done: the import creates ~170,000 objects, and the
 # collector would run about 360 times meanwhile (0.14-0.18 of the 1.7-2.2 CPU-s it costs;
-# benchmarks/README.md, E48). Those objects (torch's modules, mostly) then go to the
-# collector's permanent generation (``gc.freeze``): left in the youngest generation, they were
-# scanned again by the next collections of each generation, 0.2 CPU-s of each launcher
-# (E50). The collector runs as usual afterwards, on everything created after the import.
+# docs/decisions/0018-import-pauses-and-freezes-the-collector.md). Those objects (torch's
+# modules, mostly) then go to the collector's permanent generation (``gc.freeze``): left in the
+# youngest generation, they were scanned again by the next collections of each generation, 0.2
+# CPU-s of each launcher (the same record). The collector runs as usual afterwards, on
+# everything created after the import.
 with _process.gc_paused(freeze=True) if "torch" not in _sys.modules else _contextlib.nullcontext():
     from tpu_dist import _settings
     from tpu_dist.collectives import register_backend

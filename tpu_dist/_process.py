@@ -5,7 +5,7 @@ Most per-process state belongs to the process's JAX runtime and lives in objects
 on-disk compile cache's open directories, which private jaxlib calls still work, ...). What is
 here cannot live there, because what it mirrors is process-wide itself: torch's backend
 registry, the creator torch calls for every new group, the runtime object itself, a compile-only
-run, a message printed once per process. ``tpu_dist/ARCHITECTURE.md`` ("Per-process state")
+run, a message printed once per process. ``docs/architecture.md`` ("Per-process state")
 has the rule; ``tests/test_layers.py`` fails on a ``global`` statement or a module-level
 container that is mutated anywhere else in the package.
 

@@ -49,7 +49,8 @@ class Setting(Generic[T]):
     """The raw value used when the variable is unset or empty; None: the setting has no
     value then (:meth:`read` returns None)."""
     help: str
-    """What the variable does (the README's table says the same)."""
+    """What the variable does: one line of docs/reference/settings.md's table, which
+    ``tools/settings_reference.py`` generates from these declarations."""
     parse: Callable[[str], T]
     """Turns the raw value into the typed one; raises ``ValueError(reason)`` if malformed."""
 

@@ -144,7 +144,8 @@ def launch(config: BenchConfig) -> dict[str, Any] | None:
     collects rank 0's report. Spawned ranks get what ``tpu-launch`` gives CPU workers, unless
     set: ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` and, with several ranks, ``OMP_NUM_THREADS=1``
     (as torchrun; torch's intra-op threads spinning beside XLA's made the tpu backend's
-    0.25-4 MiB all_reduce ~3x slower, benchmarks/README.md E15). Both backends see them.
+    0.25-4 MiB all_reduce ~3x slower, docs/decisions/0001-benchmark-method.md). Both backends
+    see them.
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         from tpu_dist.bench._measure import run_rank

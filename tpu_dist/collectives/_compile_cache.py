@@ -1,7 +1,8 @@
 """Compiled collective programs kept on disk, so a new process does not compile them again.
 
 Every new (op, group, sizes, dtype) costs one XLA compilation, 0.01-0.3 s on an idle CPU
-core and 0.4-0.7 s when four ranks compile at once on two cores (benchmarks/README.md, E25).
+core and 0.4-0.7 s when four ranks compile at once on two cores
+(docs/decisions/0009-on-disk-compile-cache.md).
 Tests that start many worlds, restarted jobs and repeated ``--emulate`` runs compile the same
 programs over and over. This cache stores each compiled program (``jax.experimental.
 serialize_executable``) under a digest of everything that decides its code, and loads it in
@@ -45,7 +46,8 @@ which group rank and who its gloo peers are. So an entry written for ``new_group
 loaded for ``new_group([2, 3])`` (or ``[1, 0]``) with that group's assignment
 (:func:`deserialize`, through :func:`tpu_dist.collectives._jaxlib.load_onto`), and within a
 process :class:`~tpu_dist.collectives._lowering.ProgramCache` does the same with the programs
-it compiled, without the disk (benchmarks/README.md, E30); a compile turn is per entry, so it
+it compiled, without the disk (docs/decisions/0010-one-cpu-program-per-group-size.md); a
+compile turn is per entry, so it
 covers every group of the same size and layout too. JAX's public loader cannot: it
 looks the written device ids up among the new devices (``KeyError``), and with the ids
 remapped the executable keeps its old assignment (XLA: "replica is assigned to device cpu:0").

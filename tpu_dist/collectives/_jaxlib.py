@@ -1,10 +1,11 @@
 """Every private JAX/jaxlib call tpu_dist makes, each beside its public fallback.
 
-The private calls save time on the hot path of every collective (measured in
-benchmarks/README.md): jaxlib's direct DLPack import and export (E6), the loaded executable's own
-``execute`` on single-device blocks (E14), and draining jaxlib's queue of deferred buffer frees
-(result blocks otherwise stay allocated until Python's next garbage collection); on a new group,
-loading the program another group of the same size compiled instead of compiling (E30). None is
+The private calls save time on the hot path of every collective: jaxlib's direct DLPack import
+and export and the loaded executable's own ``execute`` on single-device blocks
+(docs/decisions/0002-direct-dlpack-and-execute.md), and draining jaxlib's queue of deferred
+buffer frees (result blocks otherwise stay allocated until Python's next garbage collection); on
+a new group, loading the program another group of the same size compiled instead of compiling
+(docs/decisions/0010-one-cpu-program-per-group-size.md). None is
 a stable API, so each is reached here only, and when one is missing or its signature changed
 the public call is used instead and a warning says so, once per call per process:
 

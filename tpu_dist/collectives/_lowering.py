@@ -185,13 +185,13 @@ class ProgramCache:
         Asynchronous: the returned arrays are futures of JAX's dispatch; the data has moved
         once they are ready.
 
-        The loaded executable's own ``execute`` takes and returns the local single-device
-        blocks. ``Compiled.__call__`` wants global arrays instead: building one from this
-        rank's block (``make_array_from_single_device_arrays``) and taking the block back out
-        of each result (``addressable_data``) cost ~120 us of a ~450 us small all_reduce on CPU
-        (benchmarks/, E14). The executable is reached through JAX internals
-        (:meth:`._jaxlib.JaxlibCalls.loaded_execute`), so anything unexpected falls back to the
-        public call.
+        The loaded executable's own ``execute`` takes and returns the local single-device blocks.
+        ``Compiled.__call__`` wants global arrays instead: building one from this rank's block
+        (``make_array_from_single_device_arrays``) and taking the block back out of each result
+        (``addressable_data``) cost ~120 us of a ~450 us small all_reduce on CPU
+        (docs/decisions/0002-direct-dlpack-and-execute.md). The executable is reached through JAX
+        internals (:meth:`._jaxlib.JaxlibCalls.loaded_execute`), so anything unexpected falls back
+        to the public call.
         """
         found = self.program(key, devices)
         if found.execute is not None:
@@ -295,8 +295,8 @@ _PART_OF_SLICE_ERRORS = (
     "LogicalDeviceCount",  # v5e: "device assignment should include all slice devices"
     "kMaxDeviceCount",  # v6e: "Unexpected device_id ... in replica group"
 )
-"""How libtpu 0.0.52 rejects a collective over part of a v5e / v6e slice
-(benchmarks/ISSUE33_NOTES.md, section 1)."""
+"""How libtpu (docs/reference/libtpu.md) rejects a collective over part of a v5e / v6e slice
+(docs/decisions/0020-family-programs-study.md, section 1)."""
 
 
 def part_of_slice_hint(key: ProgramKey, message: str) -> str | None:
@@ -334,7 +334,8 @@ code-generation module, the programs compile 2-5x faster (an exchange all-reduce
 devices: 104 -> 20 ms) and, this small, run about as fast (4 KB a rank on 2 devices: within
 0-10 us of a call of 40-110 us in one process, where a call between processes takes ~300 us);
 from 16 KB a rank the unoptimized code costs up to 2x more a call, so larger programs keep
-XLA's defaults (``benchmarks/compile_options.py``, benchmarks/README.md E49). Every rank
+XLA's defaults (``benchmarks/compile_options.py``,
+docs/decisions/0007-fast-compile-for-small-cpu-programs.md). Every rank
 compiles a program with the same options (they follow from its key), so all ranks run the
 same code, and the results are the same bits as with XLA's defaults (XLA:CPU reassociates
 nothing either way: it does not enable fast math)."""
@@ -350,11 +351,11 @@ def compiler_options(
     """The compiler options a program over ``devices`` is compiled with.
 
     TPU: those of the devices' generation (``tpu_dist.mesh.Generation.
-    collective_compiler_options``; TPU7x: no SparseCore offload of all-reduces, which libtpu
-    0.0.52 fails on whole-slice programs), none for generations that need none or that
-    ``tpu_dist.mesh`` does not know. CPU: :data:`CPU_FAST_COMPILE_OPTIONS` for ``key``'s
-    program when it is small (:data:`FAST_COMPILE_MAX_BYTES`), else none (XLA's defaults; also
-    without a ``key``)."""
+    collective_compiler_options``; TPU7x: no SparseCore offload of all-reduces, which libtpu fails
+    on whole-slice programs: docs/reference/libtpu.md), none for generations that need none or that
+    ``tpu_dist.mesh`` does not know. CPU: :data:`CPU_FAST_COMPILE_OPTIONS` for ``key``'s program
+    when it is small (:data:`FAST_COMPILE_MAX_BYTES`), else none (XLA's defaults; also without a
+    ``key``)."""
     if not devices:
         return {}
     platform = devices[0].platform
@@ -405,8 +406,9 @@ def lower(
     ``devices``, if the caller has it.
 
     Raises:
-        TypeError: complex128 blocks on TPU: XLA:TPU has no complex128, and libtpu 0.0.52's
-            compiler crashes the process on any complex128 program (even an identity).
+        TypeError: complex128 blocks on TPU: XLA:TPU has no complex128, and libtpu's compiler
+            crashes the process on any complex128 program, even an identity
+            (docs/reference/libtpu.md).
     """
     if devices and devices[0].platform == "tpu":
         wide = [dtype for _, dtype in key.blocks if dtype == "complex128"]

@@ -71,16 +71,16 @@ TPU_BLOCK_ALIGN = 128
 this many elements (the program moves the padding; the plan's finish drops it).
 
 The floor for TPUs the generation table does not know; an all-gather's block is padded to a
-multiple of the generation's ``all_gather_block_multiple`` too (1,024 on every generation in
-the table: :func:`tpu_block_align`). Measured with libtpu 0.0.52's compiler
-(benchmarks/README.md, E45): an all-gather over 128 devices across two ``v5p:8x8x8`` slices of
-1,950,000 bf16 elements a rank (Llama-3-70B's root-module parameters at dp 128) took more than
-8 GiB of the compiler's memory and did not compile (35-96 s, then out of address space), while
-1,950,080 (a multiple of 128) compiled in 0.6 s and 1,950,720 (of 1,024) in 3.1 s; padding
-inside the program and slicing it off there did not help (XLA folds the slice into the
-collective). Within a slice, 1,000,000 elements became an all-reduce of the whole output,
-1,000,064 (of 128) compiled in 16-33 s on v4, v5e and v6e, 1,000,448 (of 1,024) as a plain
-all-gather in under 1.5 s. The padding costs one copy of the output on the host."""
+multiple of the generation's ``all_gather_block_multiple`` too (1,024 on every generation in the
+table: :func:`tpu_block_align`). Measured with libtpu's compiler (docs/reference/libtpu.md;
+docs/decisions/0022-tpu-block-alignment.md): an all-gather over 128 devices across two
+``v5p:8x8x8`` slices of 1,950,000 bf16 elements a rank (Llama-3-70B's root-module parameters at
+dp 128) took more than 8 GiB of the compiler's memory and did not compile (35-96 s, then out of
+address space), while 1,950,080 (a multiple of 128) compiled in 0.6 s and 1,950,720 (of 1,024)
+in 3.1 s; padding inside the program and slicing it off there did not help (XLA folds the slice
+into the collective). Within a slice, 1,000,000 elements became an all-reduce of the whole
+output, 1,000,064 (of 128) compiled in 16-33 s on v4, v5e and v6e, 1,000,448 (of 1,024) as a
+plain all-gather in under 1.5 s. The padding costs one copy of the output on the host."""
 
 
 @dataclass(frozen=True)
@@ -231,15 +231,17 @@ def choose_algorithm(
         platform: ``"cpu"`` or ``"tpu"``.
         size: Number of devices (group ranks).
 
-    The rules, and why (measured in benchmarks/README.md, E22, and tests/test_tpu_compile.py):
+    The rules, and why (measured: docs/decisions/0006-cpu-direct-exchanges.md, and
+    tests/test_tpu_compile.py):
 
     * TPU, 64-bit or complex blocks: XLA:TPU emulates them with 32-bit words, and its
-      collectives reject part of that (libtpu 0.0.52): an all-reduce of float64/int64 supports
-      only sums (``UNIMPLEMENTED: Supported lowering only of Sum all reduce``), so MAX/MIN
-      become ``"gather_reduce"`` (``size`` times the input moves, on types rare in
-      collectives); a reduce-scatter of float64 supports nothing (``Supported lowering only of
-      Sum reduce-scatter``; complex: ``... not to contain X{64|128} element types ...``), so it
-      is an ``"exchange"`` (the same bytes per rank). tests/test_tpu_compile.py compiles them.
+      collectives reject part of that (libtpu: docs/reference/libtpu.md): an all-reduce of
+      float64/int64 supports only sums (``UNIMPLEMENTED: Supported lowering only of Sum all
+      reduce``), so MAX/MIN become ``"gather_reduce"`` (``size`` times the input moves, on types
+      rare in collectives); a reduce-scatter of float64 supports nothing (``Supported lowering
+      only of Sum reduce-scatter``; complex: ``... not to contain X{64|128} element types
+      ...``), so it is an ``"exchange"`` (the same bytes per rank). tests/test_tpu_compile.py
+      compiles them.
     * CPU, reduce-scatter at every size: ``"exchange"``. XLA:CPU's reduce-scatter copies its
       input to a temporary and runs gloo's halving-doubling on it; an all-to-all sends each
       chunk straight to its owner (16 MiB: 2 ranks 13.6 vs 19.3 ms, 4 ranks 23.6 vs 38.2 ms).
@@ -320,8 +322,9 @@ def uses_family_program(platform: str, device_kind: str) -> bool:
       every kind at any scale, and the family program costs more for nothing: over
       ``tpu7x:16x16x16`` (8,192 devices) the family programs of the FSDP2 x TP example took
       25-52 s each to compile against 2-4 s for the groups' own, in the same run
-      (benchmarks/README.md, E41). (A TPU7x program over a whole slice compiles only with the
-      generation's compiler options, ``Generation.collective_compiler_options``, E44.)
+      (docs/decisions/0020-family-programs.md). (A TPU7x program over a whole slice compiles
+      only with the generation's compiler options, ``Generation.collective_compiler_options``:
+      docs/decisions/0021-tpu7x-sparsecore-all-reduce-offload-off.md.)
     """
     if platform != "tpu":
         return True
@@ -365,11 +368,13 @@ def exchange_words(block: torch.Tensor, parts: int) -> torch.Tensor:
     chunks, one per peer), as 32-bit words when each part is a whole number of them.
 
     The same bytes; only the word width changes, and it depends only on the shape and dtype
-    (so every rank picks the same program). libtpu 0.0.52 compiles an all-to-all of 16- or
+    (so every rank picks the same program). libtpu (docs/reference/libtpu.md) compiles an
+    all-to-all of 16- or
     8-bit words slowly and, from some size on, not at all, where 32-bit words of the same
     bytes take a fraction of a second: 32 MiB a rank over 4 devices, bf16 12-28 s on v5e, v6e
     and v5p and ``RET_CHECK ... async-update`` on TPU7x (int8 too), float32 0.3 s on each (and
-    128 MiB 0.3 s on TPU7x) (benchmarks/README.md, E55). The uneven all-to-all pads its rows
+    128 MiB 0.3 s on TPU7x) (docs/decisions/0023-all-to-alls-move-32-bit-words.md). The
+    uneven all-to-all pads its rows
     to whole 32-bit words for the same reason.
     """
     ratio = _per_word32(block)

@@ -9,7 +9,7 @@ group counts per device set (``_dispatch``), the completion thread
 (``_work.Completer``) and the watchdog (``_watchdog``). The modules of the
 package keep no per-process state of their own: what must be process-wide
 (this object itself among it) is declared in :mod:`tpu_dist._process`
-(``tpu_dist/ARCHITECTURE.md``, "Per-process state"). JAX starts when the first
+(``docs/architecture.md``, "Per-process state"). JAX starts when the first
 "tpu" process group is created (the default group, since torch creates it
 first) and lives until the interpreter exits (``destroy_process_group`` leaves
 it running: JAX allows one distributed initialization per process).

@@ -110,7 +110,7 @@ class ProgramKey:
     that partition them (the groups of one mesh dimension), the collective runs within each
     group (XLA's replica groups are the family's groups) and each rank passes and gets back
     only its own block. On TPU v5e and v6e a collective over a part of a slice compiles only
-    this way (benchmarks/ISSUE33_NOTES.md)."""
+    this way (docs/decisions/0020-family-programs.md)."""
 
     @property
     def group_size(self) -> int:

@@ -20,15 +20,15 @@ Nothing here runs a program or needs a JAX backend of the process: it works next
 runtime, in any process. Without libtpu, :func:`topology_devices` raises ``ImportError`` naming
 the extra to install; the rest of tpu_dist never imports this module.
 
-How XLA:TPU writes collectives (libtpu 0.0.52): op names are rewritten (a reduce-scatter becomes
-an ``all-reduce`` + ``dynamic-slice``; on a v5p cube an all-gather may become an ``all-reduce``),
-asynchronous pairs appear as ``*-start``/``*-done``, and between slices the ICI collective is
-followed by a ``send``/``recv`` pair handled by the multi-slice (MegaScale) runtime, whose
-``_xla_megascale_target`` names the slices and the program devices it joins. Replica groups are
-positions in the program's device list (``devices[i]``), within one slice for multi-slice
+How XLA:TPU writes collectives (libtpu: docs/reference/libtpu.md): op names are rewritten (a
+reduce-scatter becomes an ``all-reduce`` + ``dynamic-slice``; on a v5p cube an all-gather may become
+an ``all-reduce``), asynchronous pairs appear as ``*-start``/``*-done``, and between slices the ICI
+collective is followed by a ``send``/``recv`` pair handled by the multi-slice (MegaScale) runtime,
+whose ``_xla_megascale_target`` names the slices and the program devices it joins. Replica groups
+are positions in the program's device list (``devices[i]``), within one slice for multi-slice
 programs.
 
-Limits seen with libtpu 0.0.52 (for whoever compiles whole jobs this way):
+Limits seen with libtpu (docs/reference/libtpu.md; for whoever compiles whole jobs this way):
 
 * A group spanning *some* slices of a larger multi-slice topology (slices 0 and 1 of 4) kills
   the process in libtpu's cross-slice pass (SIGILL in ``ConstructLocalOffsetTable``), and
@@ -113,10 +113,10 @@ class HloCollective:
     """The groups of program device positions that communicate (``devices[i]`` is position i);
     for a collective-permute, the (source, target) pairs; empty for a transfer between slices."""
     megascale_target: str | None = None
-    """Between slices: the MegaScale target as printed. Three spellings seen (libtpu 0.0.52):
-    ``{1,2}x{0:3}`` (slices counted from 1 x in-slice device ids, for reductions and gathers),
-    ``{{100000,...,200008}}`` (device ids, all-to-all) and ``{{100000->200000}}`` (one-to-one,
-    permutes). :meth:`megascale_devices` reads all three."""
+    """Between slices: the MegaScale target as printed. Three spellings seen (libtpu:
+    docs/reference/libtpu.md): ``{1,2}x{0:3}`` (slices counted from 1 x in-slice device ids, for
+    reductions and gathers), ``{{100000,...,200008}}`` (device ids, all-to-all) and
+    ``{{100000->200000}}`` (one-to-one, permutes). :meth:`megascale_devices` reads all three."""
     megascale_transfer: str | None = None
     """Between slices: the transfer type, e.g. ``"ALL_REDUCE"``, ``"ALL_TO_ALL"``."""
 
@@ -242,15 +242,15 @@ def _host_described_to_libtpu(topology: Topology) -> Iterator[None]:
 
     With ``TPU_SKIP_MDS_QUERY`` set (``import jax`` sets it where no TPU chip is attached) libtpu
     does not ask the metadata server, and without ``TPU_ACCELERATOR_TYPE`` and
-    ``TPU_WORKER_HOSTNAMES`` libtpu 0.0.52 prints lines that read like errors when it loads:
-    "Failed to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT: Error:
-    unexpected worker hostname", a source location trace. They are not errors: compile-only
-    devices describe the topology they are asked for whatever these variables say (the same
-    devices, ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So
-    they are set to ``topology``'s accelerator type and this host for the call that loads
-    libtpu, and removed again afterwards (libtpu reads them once, when it loads; nothing of the
-    process or its children sees them), only there (not on a TPU VM, where libtpu reads its
-    metadata) and only when the user has not set them; logged at INFO, once.
+    ``TPU_WORKER_HOSTNAMES`` libtpu (docs/reference/libtpu.md) prints lines that read like errors
+    when it loads: "Failed to find host bounds for accelerator type", "E0000 ... INVALID_ARGUMENT:
+    Error: unexpected worker hostname", a source location trace. They are not errors: compile-only
+    devices describe the topology they are asked for whatever these variables say (the same devices,
+    ids, coordinates, cores, hosts and slices with and without them, v4 to TPU7x). So they are set
+    to ``topology``'s accelerator type and this host for the call that loads libtpu, and removed
+    again afterwards (libtpu reads them once, when it loads; nothing of the process or its children
+    sees them), only there (not on a TPU VM, where libtpu reads its metadata) and only when the user
+    has not set them; logged at INFO, once.
     """
     chosen: dict[str, str] = {}
     if os.environ.get("TPU_SKIP_MDS_QUERY"):  # else: a TPU VM, libtpu asks its metadata server

@@ -283,13 +283,13 @@ class Compiler:
     """Compiles programs in a child process, so that a crash of libtpu's compiler fails that
     program, not the report; a new child takes the next program.
 
-    Every program goes there: libtpu 0.0.52 dies of SIGILL on a group over 2 of 4 slices, and
-    of SIGFPE on a psum over one core of every chip of ``tpu7x:16x16x32`` (8,192 of its
-    16,384 devices, one slice), so no program is safe to compile in the process that holds the
-    recorded calls. A fresh child costs about 2 CPU-s (torch, JAX, libtpu), once a run (and
-    once more after each crash); a forked one only libtpu's description of the topology:
-    :meth:`start` it early (the compile-only process does, before libtpu or the script starts
-    a thread, so that it is forked and its start overlaps the script's run)."""
+    Every program goes there: libtpu (docs/reference/libtpu.md) dies of SIGILL on a group over 2 of
+    4 slices, and of SIGFPE on a psum over one core of every chip of ``tpu7x:16x16x32`` (8,192 of
+    its 16,384 devices, one slice), so no program is safe to compile in the process that holds the
+    recorded calls. A fresh child costs about 2 CPU-s (torch, JAX, libtpu), once a run (and once
+    more after each crash); a forked one only libtpu's description of the topology: :meth:`start` it
+    early (the compile-only process does, before libtpu or the script starts a thread, so that it is
+    forked and its start overlaps the script's run)."""
 
     def __init__(self, topology: Topology, *, timeout: float = 300.0, fork: bool = False) -> None:
         self._spec, self._slices = topology.spec, topology.num_slices
@@ -299,7 +299,7 @@ class Compiler:
         ``can_fork`` cannot see. Children after a crash are fresh processes."""
         self.timeout = timeout
         """Seconds one program may take to compile; past it the child is killed and the
-        program reported as failed (measured: libtpu 0.0.52 still compiling an all-gather of
+        program reported as failed (measured: libtpu still compiling an all-gather of
         the Qwen3-32B preset over 4 TPU7x devices after 305 s, where the others take 0.1-2 s)."""
         self._proc: Any = None
         self._conn: Any = None
@@ -310,7 +310,8 @@ class Compiler:
         Forked if made with ``fork=True``, the first time, when this process may fork
         (:func:`~tpu_dist.collectives.compile_only.can_fork`: no JAX backend or other Python
         thread runs yet): the child then has torch, JAX and tpu_dist already (about 2 CPU-s
-        less than a fresh process, benchmarks/README.md E46). Else a fresh process
+        less than a fresh process, docs/decisions/0029-compile-only-job-beside-the-launcher.md).
+        Else a fresh process
         (``spawn``): never fork a process whose JAX or libtpu runs."""
         if self._proc is not None:
             return

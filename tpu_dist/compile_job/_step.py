@@ -29,13 +29,12 @@ keeps:
 * **Collectives**: the recorder (:class:`~._recording.Recorder`) counts each call under the
   step it was issued in (:attr:`~._recording.RecordedCall.per_step`).
 
-:func:`step_report` turns the chosen step (the last one measured: the second, a steady state,
-or the first of a script that runs one) and the compiled collectives into the report's
-``"step"`` object. **Only the first two steps are measured**: after the second the meter's modes
-and hooks pass every op through (the README's 20-step example on ``tpu7x:16x16x16``: the script
-13 s -> 8.6 s); the steps are still counted and the recorder still files each call under its
-step. The modes stay on torch's mode stack until the script ends (popping them saved nothing
-more).
+:func:`step_report` turns the chosen step (the last one measured: the second, a steady state, or the
+first of a script that runs one) and the compiled collectives into the report's ``"step"`` object.
+**Only the first two steps are measured**: after the second the meter's modes and hooks pass every
+op through (docs/guides/compile-only.md's 20-step example on ``tpu7x:16x16x16``: the script 13 s ->
+8.6 s); the steps are still counted and the recorder still files each call under its step. The modes
+stay on torch's mode stack until the script ends (popping them saved nothing more).
 
 The meter never fails the script. When one of its parts raises on something the script does
 (measured: MemTracker on an ``nn.Embedding(sparse=True)``'s sparse gradient, ``Cannot access

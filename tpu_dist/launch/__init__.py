@@ -148,7 +148,8 @@ DTensor and ``torch._dynamo`` too when the script's source imports a DTensor API
 DTensor, DCP), and forks every worker of every attempt from it (``tpu_dist.launch._zygote``). A
 forked worker is the launcher's own child, in its own session, with the environment, arguments,
 streams and exit codes of the fresh ``python -u`` worker it replaces; it starts in milliseconds
-instead of paying 1-3 s of imports (benchmarks/README.md E40, E48). Not for ``--no-python`` or
+instead of paying 1-3 s of imports (docs/decisions/0016-workers-forked-from-a-zygote.md). Not
+for ``--no-python`` or
 ``--run-path`` workers, nor where a worker's environment differs from the zygote's in a variable
 read at import (such workers start fresh). ``TPU_DIST_LAUNCH_PRELOAD=0`` starts every worker as a
 fresh interpreter (and a ``--compile-only`` job, which the launcher otherwise runs itself:
@@ -164,7 +165,7 @@ environment differs from the one torch was imported in (one worker per host: no
 ``OMP_NUM_THREADS``; a TPU host: no huge-page tunable; ``--default-for-cpu``), the launcher ends
 that zygote and starts one as a new interpreter, as ``python -m tpu_dist.launch`` always does (it
 imports ``tpu_dist``, and so torch, before any launcher code runs). A 4-rank job took 2.4 s
-instead of 3.5 (torchrun + gloo: 4.8 s; benchmarks/README.md E51).
+instead of 3.5 (torchrun + gloo: 4.8 s; docs/decisions/0017-one-torch-import-per-launch.md).
 
 Output
 ======

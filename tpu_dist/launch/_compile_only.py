@@ -8,18 +8,18 @@ process, :func:`main`, with the environment the chosen rank would get on the rea
 would otherwise have to connect), runs the script, then compiles and reports through
 :mod:`tpu_dist.compile_job`.
 
-The launcher runs that process as a child it waits for: forked (it has imported torch
-already, and a fresh interpreter would import it again: about 2 CPU-s of a 10 s run,
-benchmarks/README.md E47) when it can (:func:`_in_process_ok`: JAX is not imported yet, the
-job's interpreter is this one, ``TPU_DIST_LAUNCH_PRELOAD`` is not 0, and the job's environment
-differs from the launcher's only in variables read after start-up, :data:`_LATE_VARS`;
-``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``, as an import would), else as
-``python -u -m tpu_dist.launch._compile_only`` (for instance with ``--default-for-cpu``, which
-``import tpu_dist`` reads). So a job that ends abruptly still gets an honest exit code and a
-message from the launcher: killed by a signal (a self-kill, the OOM killer), or ended by the
-script before the run finished. A script's ``os._exit`` from its main thread ends the script
-only: what it recorded is compiled and reported, and the run exits with its code. The job's
-compiler process (:class:`tpu_dist.compile_job.Session`) dies with it.
+The launcher runs that process as a child it waits for: forked (it has imported torch already, and a
+fresh interpreter would import it again: about 2 CPU-s of a 10 s run,
+docs/decisions/0029-compile-only-job-beside-the-launcher.md) when it can (:func:`_in_process_ok`:
+JAX is not imported yet, the job's interpreter is this one, ``TPU_DIST_LAUNCH_PRELOAD`` is not 0,
+and the job's environment differs from the launcher's only in variables read after start-up,
+:data:`_LATE_VARS`; ``OMP_NUM_THREADS`` is applied with ``torch.set_num_threads``, as an import
+would), else as ``python -u -m tpu_dist.launch._compile_only`` (for instance with
+``--default-for-cpu``, which ``import tpu_dist`` reads). So a job that ends abruptly still gets an
+honest exit code and a message from the launcher: killed by a signal (a self-kill, the OOM killer),
+or ended by the script before the run finished. A script's ``os._exit`` from its main thread ends
+the script only: what it recorded is compiled and reported, and the run exits with its code. The
+job's compiler process (:class:`tpu_dist.compile_job.Session`) dies with it.
 
 A dry run writes nothing the user owns: checkpoint saves (``torch.save``, DCP's ``save``)
 raise ``tpu_dist.compile_job.SaveRefused`` before any file is opened, and libtpu's logs go to a
@@ -104,7 +104,8 @@ def run_compile_only(
         TPU_DIST_COMPILE_ONLY="1",
         # libtpu's one-process-per-machine lock guards real chips; there are none here.
         ALLOW_MULTIPLE_LIBTPU_LOAD=env.get("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"),
-        # JAX's persistent cache cannot load compile-only executables back (libtpu 0.0.52):
+        # JAX's persistent cache cannot load compile-only executables back (libtpu:
+        # docs/reference/libtpu.md):
         # writing them costs time and every later read warns.
         JAX_ENABLE_COMPILATION_CACHE="false",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),

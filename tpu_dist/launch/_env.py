@@ -174,9 +174,10 @@ def compute_worker_env(
     if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in environ:
         shared["OMP_NUM_THREADS"] = "1"  # torchrun's default, so workers do not oversubscribe
     if spec.platform == "cpu" and "GLIBC_TUNABLES" not in environ:
-        # XLA:CPU allocates every collective's output afresh; backing large malloc chunks
-        # with transparent huge pages cut a 64 MiB all_reduce's time by ~1/3 (benchmarks/,
-        # E9 and E13). glibc < 2.35 and other C libraries ignore the variable.
+        # XLA:CPU allocates every collective's output afresh; backing large malloc chunks with
+        # transparent huge pages cut a 64 MiB all_reduce's time by ~1/3
+        # (docs/decisions/0003-huge-pages-for-cpu-workers.md). glibc < 2.35 and other C libraries
+        # ignore the variable.
         shared["GLIBC_TUNABLES"] = HUGE_PAGES_TUNABLE
     if spec.platform == "cpu" and "JAX_PLATFORMS" not in environ:
         # tpu_dist pins JAX to the CPU when the first "tpu" group starts; pinned from the start,

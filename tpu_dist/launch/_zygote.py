@@ -88,12 +88,12 @@ differs in any other variable is not forked (:meth:`Zygote.spawn`)."""
 
 
 DTENSOR_PRELOAD = ("torch.distributed.tensor", "torch._dynamo")
-"""What the zygote also imports for a script that uses DTensor (:func:`script_preload`):
-DTensor, and ``torch._dynamo``, which torch's functional collectives (under DTensor, FSDP2 and
-TP) import at their first call. In each worker of such a job they cost ~2 CPU-s; imported once
-in the zygote instead, ``examples/train_fsdp.py --steps 2`` on 4 ranks took 6.6 s and 7.9 CPU-s
-instead of 9.4 s and 14.3 (benchmarks/README.md, E48). Other jobs do not import them: a plain
-all_reduce job would start ~0.6 s later with them."""
+"""What the zygote also imports for a script that uses DTensor (:func:`script_preload`): DTensor,
+and ``torch._dynamo``, which torch's functional collectives (under DTensor, FSDP2 and TP) import at
+their first call. In each worker of such a job they cost ~2 CPU-s; imported once in the zygote
+instead, ``examples/train_fsdp.py --steps 2`` on 4 ranks took 6.6 s and 7.9 CPU-s instead of 9.4 s
+and 14.3 (docs/decisions/0016-workers-forked-from-a-zygote.md). Other jobs do not import them: a
+plain all_reduce job would start ~0.6 s later with them."""
 
 _DTENSOR_USERS = (
     "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed._composable",
@@ -591,7 +591,8 @@ def _freeze() -> None:
     every full collection in a worker would scan them all again (0.13 CPU-s each) and write to
     the pages that hold them, copying those pages out of the zygote into the worker. Frozen,
     no worker's collector scans them (with the launcher's own import also collector-free, a
-    4-rank job took 6.7 CPU-s instead of 8.7: benchmarks/README.md, E48). What differs from a
+    4-rank job took 6.7 CPU-s instead of 8.7: decision records 0016 and 0018 in docs/decisions/).
+    What differs from a
     fresh worker: a reference cycle among those objects that becomes garbage in the worker is
     never freed (none of torch's or JAX's module state becomes garbage while in use)."""
     gc.collect()
@@ -621,7 +622,8 @@ def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -
         try:
             # The intermediate, read while it cannot exit yet (it waits for ready_w to close):
             # read after, it could be gone already, and the loop below would wait for a
-            # reparenting that had happened, 10 s (2 jobs in 16; benchmarks/README.md, E48).
+            # reparenting that had happened, 10 s (2 jobs in 16;
+            # docs/decisions/0016-workers-forked-from-a-zygote.md).
             parent = os.getppid()
             os.close(ready_r)
             os.close(pid_w)

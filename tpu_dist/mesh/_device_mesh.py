@@ -196,7 +196,7 @@ def init_device_mesh(
 def register_mesh(mesh: DeviceMesh) -> None:
     """Tell the "tpu" backend that each dimension's groups of ``mesh`` form a family, so that
     their collectives run as one program over the whole family (TPU v5e and v6e compile
-    collectives over part of a slice only so; see ``tpu_dist/ARCHITECTURE.md``).
+    collectives over part of a slice only so; see ``docs/architecture.md``).
 
     Registers every dimension of the mesh ``mesh`` was sliced from (its root; ``mesh`` may be
     a sub-mesh such as ``mesh["tp"]``) and every dimension flattened from it so far

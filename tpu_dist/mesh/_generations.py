@@ -40,9 +40,10 @@ types ``ct5lp-hightpu-8t`` / ``ct6e-standard-8t``). libtpu's compile-only topolo
 slice on two 2x2 hosts unless told ``chips_per_host_bounds=(2, 4, 1)``; the deployment wins.
 
 Where each fact was checked: device kinds, chips and cores per host, core numbering and host
-numbering of v4 (megacore), v5e, v5p, v6e and TPU7x against libtpu 0.0.52's compile-only devices
-(``tests/test_libtpu_topology.py``); slice shapes, accelerator-type names and link speeds from
-the Cloud TPU documentation (each generation's ``source``).
+numbering of v4 (megacore), v5e, v5p, v6e and TPU7x against libtpu's compile-only devices
+(``tests/test_libtpu_topology.py``; the libtpu version checked: docs/reference/libtpu.md); slice
+shapes, accelerator-type names and link speeds from the Cloud TPU documentation (each
+generation's ``source``).
 """
 
 from __future__ import annotations
@@ -139,22 +140,23 @@ class Generation:
     compute_source: str = ""
     """Where the three compute and memory figures above come from (a Cloud TPU docs page)."""
     collectives_span_slice: bool = False
-    """Whether the TPU compiler compiles a collective over part of a slice only inside a
-    program over the whole slice (libtpu 0.0.52 on v5e: ``device assignment should include all
-    slice devices``, "limited ICI routing"; on v6e: ``Unexpected device_id ... in replica
-    group`` for many groups). The "tpu" backend then runs a mesh dimension's collectives as
-    family programs (``tpu_dist.collectives.ProgramKey.groups``). Measured with libtpu's
-    compile-only devices: benchmarks/ISSUE33_NOTES.md."""
+    """Whether the TPU compiler compiles a collective over part of a slice only inside a program
+    over the whole slice (libtpu, docs/reference/libtpu.md; on v5e: ``device assignment should
+    include all slice devices``, "limited ICI routing"; on v6e: ``Unexpected device_id ... in
+    replica group`` for many groups). The "tpu" backend then runs a mesh dimension's collectives
+    as family programs (``tpu_dist.collectives.ProgramKey.groups``). Measured with libtpu's
+    compile-only devices: docs/decisions/0020-family-programs.md."""
     collective_compiler_options: tuple[tuple[str, bool | int | str], ...] = ()
     """XLA:TPU compiler options (``lowered.compile(compiler_options=...)``) every collective
     program of the "tpu" backend is compiled with on this generation, as (name, value) pairs.
-    TPU7x: ``xla_tpu_enable_sparse_core_collective_offload_all_reduce=False``. libtpu 0.0.52
-    fails an all-reduce over a whole TPU7x slice of more than about 32 KiB a device (``RET_CHECK
-    ... async-update instruction should have 1 operands but sees 2``) unless this SparseCore
-    offload is off; XLA turns whole-slice all-gathers and reduce-scatters into such all-reduces,
-    so FSDP over a whole slice did not compile. With the option they compile (an all-reduce
-    over the slice, as before), and the programs over part of a slice that compiled without it
-    compile to the same HLO but for instruction names and order (benchmarks/README.md, E44;
+    TPU7x: ``xla_tpu_enable_sparse_core_collective_offload_all_reduce=False``. libtpu
+    (docs/reference/libtpu.md) fails an all-reduce over a whole TPU7x slice of more than about
+    32 KiB a device (``RET_CHECK ... async-update instruction should have 1 operands but sees
+    2``) unless this SparseCore offload is off; XLA turns whole-slice all-gathers and
+    reduce-scatters into such all-reduces, so FSDP over a whole slice did not compile. With the
+    option they compile (an all-reduce over the slice, as before), and the programs over part of
+    a slice that compiled without it compile to the same HLO but for instruction names and order
+    (docs/decisions/0021-tpu7x-sparsecore-all-reduce-offload-off.md;
     benchmarks/slice_programs.py)."""
 
     all_gather_block_multiple: int = 1
@@ -162,15 +164,15 @@ class Generation:
     multiple of this many elements on this generation (and of
     ``tpu_dist.collectives._plan.TPU_BLOCK_ALIGN``, 128, on every TPU), and drops the padding
     from the result.
-    1,024 on every generation in the table (the 1-D tile of XLA:TPU's layouts). libtpu 0.0.52
-    compiles an int16 (bf16 words) all-gather over 4 devices of ``tpu7x:2x2x1`` in about 0.6 s
-    when the block is a multiple of 1,024 elements (1,000,448, 4,000,768, 30,000,128) and in
-    5-126 s, with scratch up to 3.5x the output, when it is not (1,000,064, 4,000,000,
-    30,000,000); int32 blocks of 4,000,000 compiled fast (benchmarks/README.md, E44). On v4,
-    v5e and v6e a block of 1,000,064 (a multiple of 128, not of 1,024) took 16-33 s and
+    1,024 on every generation in the table (the 1-D tile of XLA:TPU's layouts). libtpu
+    (docs/reference/libtpu.md has the version) compiles an int16 (bf16 words) all-gather over 4
+    devices of ``tpu7x:2x2x1`` in about 0.6 s when the block is a multiple of 1,024 elements
+    (1,000,448, 4,000,768, 30,000,128) and in 5-126 s, with scratch up to 3.5x the output, when
+    it is not (1,000,064, 4,000,000, 30,000,000); int32 blocks of 4,000,000 compiled fast. On
+    v4, v5e and v6e a block of 1,000,064 (a multiple of 128, not of 1,024) took 16-33 s and
     1.1-1.3 GiB, 1,000,448 0.4-1.4 s; across two v5p slices 1,000,000 took 80 s and 3.2 GiB,
-    1,000,448 1.7 s (E45). The padding costs at most 1,023 elements a rank and a copy of the
-    block and of the result."""
+    1,000,448 1.7 s (docs/decisions/0022-tpu-block-alignment.md). The padding costs at most
+    1,023 elements a rank and a copy of the block and of the result."""
 
     def __post_init__(self) -> None:
         if self.torus_ndim not in (2, 3):
@@ -517,7 +519,8 @@ V5E = register_generation(
 V5P = register_generation(
     Generation(
         name="v5p",
-        # What the runtime reports (libtpu 0.0.52; JAX's TPU tests and MaxText match on it).
+        # What the runtime reports (libtpu: docs/reference/libtpu.md; JAX's TPU tests and
+        # MaxText match on it).
         device_kind="TPU v5",
         other_device_kinds=("TPU v5p",),  # jax/_src/mesh_utils.py's spelling
         libtpu_name="v5p",

@@ -4,10 +4,10 @@ Pure logic: no JAX backend, no torch, no processes. Everything here is computed 
 generation, a per-slice torus shape and a number of slices (or read off real device objects in
 :meth:`Topology.from_devices`), so layouts for thousands of chips are built and checked anywhere.
 
-Vocabulary (the README's "Vocabulary" section): a *rank* is a process; the *device* of a rank is the one JAX device it
-drives, which is a whole chip on v4, v5e, v5p and v6e (one TensorCore, or two fused into one
-"megacore" device) and one of the two TensorCores of a chip on v7x; a *host* is a machine; a
-*slice* is a set of chips joined by ICI; slices are joined by DCN.
+Vocabulary (docs/reference/vocabulary.md): a *rank* is a process; the *device* of a rank is the one
+JAX device it drives, which is a whole chip on v4, v5e, v5p and v6e (one TensorCore, or two fused
+into one "megacore" device) and one of the two TensorCores of a chip on v7x; a *host* is a machine;
+a *slice* is a set of chips joined by ICI; slices are joined by DCN.
 
 Rank order (the order ``tpu-launch`` assigns): slice-major, then host, then the device's index on
 its host. Inside a slice, hosts are numbered over their block coordinates with x fastest, then y,
