@@ -150,8 +150,55 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     gc.freeze()
 
 
+TIERS: dict[str, tuple[str, ...]] = {
+    # One process, no worker processes, no TPU compilation: the logic (seconds in all).
+    "unit": (
+        "test_plan", "test_settings", "test_dtensor_spec", "test_mesh_plan", "test_mesh_topology",
+        "test_mesh_cli", "test_estimate", "test_layers", "test_launch_config",
+        "test_launch_discovery", "test_compile_options", "test_jaxlib",
+    ),
+    # Ranks of tests/harness.py's World (spawned once per module), each test a body on them.
+    "world": (
+        "test_backend_lifecycle", "test_collectives_faults", "test_collectives_movement",
+        "test_collectives_reduce", "test_collectives_semantics", "test_collectives_vs_gloo",
+        "test_compile_cache", "test_dtensor", "test_families", "test_fsdp_tp_ddp",
+        "test_harness", "test_local_security", "test_mesh_device_mesh", "test_paused_rank",
+        "test_program_reuse", "test_rejected_calls", "test_reliability", "test_settings_init",
+        "test_torch_compile", "test_torchtpu_coexistence",
+    ),
+    # Whole processes started as a user would: tpu-launch, torchrun, python -c, tpu-dist-bench.
+    "launch": (
+        "test_launch_e2e", "test_launch_failures", "test_launch_faults", "test_launch_netns",
+        "test_launch_restart", "test_launch_signals", "test_launch_torchtpu",
+        "test_launch_tpu_backend", "test_launch_zygote", "test_bench", "test_frameworks",
+        "test_torch_suite",
+    ),
+    # libtpu's TPU compiler (compile-only devices, no TPU): programs and dry runs.
+    "libtpu": (
+        "test_tpu_compile", "test_tpu_compile_families", "test_tpu_block_align",
+        "test_libtpu_topology", "test_mesh_torchtpu", "test_compile_only",
+        "test_compile_only_faults", "test_launch_compile_only", "test_step_report",
+    ),
+    # The examples as the README runs them.
+    "e2e": ("test_examples",),
+}
+"""Each test module's tier (CONTRIBUTING.md: where a new test goes, and how to run a tier:
+``pytest -m unit``). A module is in the tier of its most costly kind of test. A test module in
+no tier fails collection."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Runs :data:`_LONGEST_FIRST` modules first, in that order; the rest keep theirs."""
+    """Marks each test with its module's tier (:data:`TIERS`); runs :data:`_LONGEST_FIRST`
+    modules first, in that order, the rest keep theirs."""
+    tier_of = {module: tier for tier, modules in TIERS.items() for module in modules}
+    missing = sorted({item.path.stem for item in items if item.path.stem not in tier_of})
+    if missing:
+        raise pytest.UsageError(
+            f"test module(s) {', '.join(missing)} are in no tier: add each to TIERS in "
+            "tests/conftest.py (CONTRIBUTING.md says which tier a test belongs to)."
+        )
+    for item in items:
+        item.add_marker(getattr(pytest.mark, tier_of[item.path.stem]))
     first = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.path.stem, len(first)))
 
