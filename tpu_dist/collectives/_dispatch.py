@@ -3,16 +3,13 @@
 Built by the runtime (the composition root, :mod:`._runtime`), one of each per process, and
 handed to every group's pipeline (:mod:`._pipeline`):
 
-* :class:`Dispatcher` starts XLA programs, collectives and point-to-point alike, in the order
-  every rank agrees on (inline when it can, else on the helper thread of their device set);
-* :class:`P2PQueue` holds the point-to-point ops waiting to be dispatched: an XLA program
-  needs both ends, so a send and its recv must run the same program in the same order on both
-  ranks; queued ops are dispatched, sorted by (rank pair, direction, tag), when any of them is
-  waited on or the next collective is issued;
+* :class:`Dispatcher` starts the collectives' XLA programs in the order every rank agrees on
+  (inline when it can, else on the helper thread of their device set, a :class:`Lane`);
 * :class:`DeviceSets` counts the groups over each set of devices: calls on a set that two
   groups share need the ranks to agree on their order first (:class:`Dispatcher`).
 
-The pipelines plan and track each call, then hand its program here.
+The pipelines plan and track each call, then hand its program here. Point-to-point ops take
+channels of their own (:mod:`._p2p`, on :class:`Lane` threads too).
 """
 
 from __future__ import annotations
@@ -32,7 +29,6 @@ from tpu_dist.collectives._types import Kind, ProgramKey
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._lowering import ProgramCache
-    from tpu_dist.collectives._work import TPUWork
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +91,7 @@ class Lane:
                 continue
             try:
                 self._run(job)
-            except BaseException:  # noqa: BLE001 (a bug: keep the lane alive for the others)
+            except BaseException:  # a bug: logged, and the lane stays alive for the others
                 logger.exception("tpu_dist: %s: a job failed outside its own future", self._name)
 
 
@@ -359,56 +355,6 @@ def _all_ready(outs: list) -> bool:
         except Exception:  # noqa: BLE001 (deleted after its data was taken: done)
             continue
     return True
-
-
-@dataclass
-class P2POp:
-    """A planned send or recv waiting in the :class:`P2PQueue`."""
-
-    work: TPUWork
-    plan: _plan.P2PPlan
-    dispatch: Callable[[P2POp, bool], None]
-    """Tracks and starts the op (its group's); never raises (it fails ``work`` instead)."""
-    seq: int = 0
-    """Its number among the ops between its two ranks, set when it is dispatched."""
-
-
-def _p2p_order(op: P2POp) -> tuple[int, int, int, int]:
-    """(low rank, high rank, 0 if the lower one sends else 1, tag): the same on both ends."""
-    low, high = op.plan.pair
-    upward = (op.plan.op == "send") == (op.plan.peer == high)
-    return (low, high, 0 if upward else 1, op.plan.tag)
-
-
-@dataclass
-class P2PQueue:
-    """Point-to-point ops of this process that wait to be dispatched (module doc)."""
-
-    pending: list[P2POp] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _seq: dict[tuple[int, int], int] = field(default_factory=dict)
-
-    def add(self, op: P2POp) -> None:
-        with self.lock:
-            self.pending.append(op)
-
-    def next_seq(self, pair: tuple[int, int]) -> int:
-        """The next sequence number of the ops between the global ranks ``pair``."""
-        seq = self._seq[pair] = self._seq.get(pair, 0) + 1
-        return seq
-
-    def flush(self, block: bool = True) -> None:
-        """Dispatch every queued op, in the order every rank agrees on (module doc).
-
-        Never raises: an op whose program cannot be started fails its own work. With
-        ``block=False`` every program starts on the dispatcher thread (a ``wait(timeout)``).
-        """
-        if not self.pending:  # every collective calls this; most find nothing queued
-            return
-        with self.lock:
-            ops, self.pending = self.pending, []
-        for op in sorted(ops, key=_p2p_order):
-            op.dispatch(op, block)
 
 
 class DeviceSets:
