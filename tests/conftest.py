@@ -120,8 +120,8 @@ def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World
 _LONGEST_FIRST = (
     "test_examples", "test_compile_only", "test_dtensor", "test_launch_failures",
     "test_collectives_reduce", "test_fsdp_tp_ddp", "test_launch_faults", "test_step_report",
-    "test_torch_suite", "test_launch_restart", "test_frameworks", "test_backend_lifecycle",
-    "test_torch_compile", "test_collectives_faults", "test_paused_rank",
+    "test_torch_suite", "test_pipelining", "test_launch_restart", "test_frameworks",
+    "test_backend_lifecycle", "test_torch_compile", "test_collectives_faults", "test_paused_rank",
     "test_collectives_movement", "test_bench", "test_tpu_compile", "test_launch_e2e",
     "test_reliability", "test_settings_init", "test_launch_zygote", "test_launch_signals",
     "test_tpu_block_align", "test_collectives_semantics", "test_jaxlib", "test_compile_cache",

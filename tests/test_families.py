@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from tests.collective_cases import all_reduce_from_threads
 
-
 _TPU = {"world_size": 4, "backend": "tpu"}
 
 
