@@ -275,10 +275,10 @@ class Dispatcher:
             self._started(device_set, me, outs)
         except BaseException as err:  # handed to whoever waits on the future
             self._one_started(state)
-            job.future.set_exception(err)
+            settle(job.future, error=err)
         else:
             self._one_started(state)
-            job.future.set_result(outs)
+            settle(job.future, outs)
 
     def _order(self, state: _SetState, job: _Job) -> None:
         """Start the calls of ``job``'s device set in the order every rank agrees on."""
@@ -299,7 +299,7 @@ class Dispatcher:
             except BaseException as err:  # the set is broken: every call on it fails
                 for failed in waiting.values():
                     self._one_started(state)
-                    failed.future.set_exception(err)
+                    settle(failed.future, error=err)
                 waiting.clear()
                 return
             if agreed in waiting:
@@ -339,6 +339,20 @@ def agreement_key(
     return _plan.program_key(
         Kind.ALLGATHER, device_ids, blocks, (), platform, family, device_kind
     )
+
+
+def settle(
+    future: concurrent.futures.Future, outs: list | None = None, error: BaseException | None = None
+) -> None:
+    """Resolve ``future`` (a program's start) with ``outs``, or fail it with ``error``, unless
+    its work was interrupted meanwhile (:meth:`._work.TPUWork.interrupt` failed it first)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outs)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def device_set_of(devices: Sequence) -> tuple[int, ...]:

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _plan
-from tpu_dist.collectives._dispatch import Lane
+from tpu_dist.collectives._dispatch import Lane, settle
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._lowering import ProgramCache
@@ -198,9 +198,9 @@ class P2PChannels:
                 plan.key, op.devices, [self._to_jax(plan.block)]
             )
         except BaseException as err:  # the op's own failure, raised by its wait()
-            op.future.set_exception(err)
+            settle(op.future, error=err)
         else:
-            op.future.set_result(outs)
+            settle(op.future, outs)
 
 
 class _Receiver:
@@ -242,7 +242,7 @@ class _Receiver:
                 with self._lock:
                     failed, self._posted, self._serving = self._posted, [], False
                 for waiting in failed:
-                    waiting.future.set_exception(err)
+                    settle(waiting.future, error=err)
                 return
             if op is None:
                 with self._lock:  # a receive posted since the header arrived takes it now
@@ -278,14 +278,14 @@ class _Receiver:
         """Complete ``op`` with ``message``'s data, if the sizes agree."""
         mine = op.plan.block.numel() * op.plan.block.element_size()
         if message.header.nbytes != mine:
-            op.future.set_exception(dist.DistBackendError(
+            settle(op.future, error=dist.DistBackendError(
                 f"tpu_dist: {op.plan.description} from rank {self._direction[0]} matched a send "
                 f"of {message.header.nbytes} bytes, but its tensor holds {mine} bytes: a "
                 "receive's tensor must have the size of the tensor sent to it (gloo aborts the "
                 "receiving process when the message is larger)."
             ))
             return
-        op.future.set_result(message.outs)
+        settle(op.future, message.outs)
 
 
 def _channel_key(plan: _plan.P2PPlan) -> tuple[int, int]:

@@ -183,9 +183,18 @@ class TPUWork(dist._Work):
         callback(self._error)
 
     def interrupt(self, error: BaseException) -> None:
-        """Fail a work whose program will never finish (the watchdog's ``raise`` policy): its
-        waiters (polling) raise ``error``."""
+        """Fail a work whose program will never finish (the watchdog's: ``raise`` policy, or
+        peers that exited): its waiters raise ``error``. Polling waiters see it at their next
+        look; one waiting for a program that has not started (a receive whose sender exited
+        before sending) is woken through the start's future, which its starter then leaves
+        as it is (:func:`._dispatch.settle`)."""
         self._interrupted = error
+        starting = self._starting
+        if starting is not None:
+            try:
+                starting.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # started (or failed) already
+                pass
 
     def complete_if_finished(self) -> bool:
         """Complete the work if its program has finished (never blocks); True once ended."""
