@@ -145,31 +145,37 @@ def mismatch(name: str, got: torch.Tensor, want: torch.Tensor, world_size: int) 
     return f"{name}: got {got.flatten()[:6].tolist()}, want {want.flatten()[:6].tolist()}"
 
 
-def all_reduce_from_two_threads(
-    groups: list, rank: int, ranks: list[int], sizes: tuple[int, int], iters: int
+def all_reduce_from_threads(
+    threads: list[list], rank: int, sizes: tuple[int, ...], iters: int
 ) -> list[int]:
-    """Two threads all-reduce at once, thread ``w`` ``iters`` times on ``groups[w]`` (``sizes[w]``
-    elements, values that differ per thread, call and rank); returns the wrong results of each
-    thread (a result is right when it is the sum over ``ranks``). A thread's error is raised."""
-    wrong = [0, 0]
+    """Threads all-reduce at once: thread ``w`` ``iters`` times, call ``i`` on the group
+    ``threads[w][i % len(threads[w])]`` (skipped where this rank is not a member), ``sizes[w]``
+    elements, values that differ per thread, call and rank; returns the wrong results of each
+    thread (a result is right when it is the sum over the group's ranks). A thread's error is
+    raised."""
+    wrong = [0] * len(threads)
     errors: list[BaseException] = []
 
     def loop(which: int) -> None:
         try:
             base = 1000.0 * (which + 1)
             for i in range(iters):
+                group = threads[which][i % len(threads[which])]
+                ranks = dist.get_process_group_ranks(group)
+                if rank not in ranks:
+                    continue
                 x = torch.full((sizes[which],), base + i + rank)
-                dist.all_reduce(x, group=groups[which])
+                dist.all_reduce(x, group=group)
                 expected = sum(base + i + r for r in ranks)
                 if not torch.equal(x, torch.full_like(x, expected)):
                     wrong[which] += 1
         except BaseException as err:  # reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=loop, args=(w,)) for w in (0, 1)]
-    for t in threads:
+    workers = [threading.Thread(target=loop, args=(w,)) for w in range(len(threads))]
+    for t in workers:
         t.start()
-    for t in threads:
+    for t in workers:
         t.join()
     if errors:
         raise errors[0]

@@ -123,8 +123,8 @@ def world(request: pytest.FixtureRequest, worlds: Callable[..., World]) -> World
 _LONGEST_FIRST = (
     "test_examples", "test_compile_only", "test_dtensor", "test_launch_failures",
     "test_collectives_reduce", "test_fsdp_tp_ddp", "test_launch_faults", "test_step_report",
-    "test_torch_suite", "test_launch_restart", "test_frameworks", "test_backend_lifecycle",
-    "test_torch_compile", "test_collectives_faults", "test_paused_rank",
+    "test_torch_suite", "test_pipelining", "test_launch_restart", "test_frameworks",
+    "test_backend_lifecycle", "test_torch_compile", "test_collectives_faults", "test_paused_rank",
     "test_collectives_movement", "test_bench", "test_tpu_compile", "test_launch_e2e",
     "test_reliability", "test_settings_init", "test_launch_zygote", "test_launch_signals",
     "test_tpu_block_align", "test_collectives_semantics", "test_jaxlib", "test_compile_cache",
@@ -163,6 +163,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_collectives_reduce", "test_collectives_semantics", "test_collectives_vs_gloo",
         "test_compile_cache", "test_dtensor", "test_families", "test_fsdp_tp_ddp",
         "test_harness", "test_local_security", "test_mesh_device_mesh", "test_paused_rank",
+        "test_pipelining",
         "test_program_reuse", "test_rejected_calls", "test_reliability", "test_settings_init",
         "test_torch_compile", "test_torchtpu_coexistence",
     ),

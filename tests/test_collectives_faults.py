@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.collective_cases import all_reduce_from_two_threads
+from tests.collective_cases import all_reduce_from_threads
 from tests.harness import World
 
 BACKENDS = ["tpu", "gloo"]
@@ -32,7 +32,7 @@ def _two_threads_two_groups(rank: int, world_size: int, sizes: tuple[int, int], 
     """Each thread all-reduces on its own group over every rank; returns wrong results per thread."""
     ranks = list(range(world_size))
     groups = [dist.new_group(ranks), dist.new_group(ranks)]
-    wrong = all_reduce_from_two_threads(groups, rank, ranks, sizes, iters)
+    wrong = all_reduce_from_threads([[g] for g in groups], rank, sizes, iters)
     for g in groups:
         dist.destroy_process_group(g)
     return wrong

@@ -31,6 +31,7 @@ JOB = os.path.join(ROOT, "tests", "compile_only_job.py")
 CRASH_JOB = os.path.join(ROOT, "tests", "compile_only_crash_job.py")
 FLAT_JOB = os.path.join(ROOT, "tests", "compile_only_flat_job.py")
 EXAMPLES = [os.path.join(ROOT, "examples", name) for name in ("train_fsdp.py", "train_fsdp_tp.py")]
+PIPELINE = os.path.join(ROOT, "examples", "train_pp.py")
 LAUNCH = [sys.executable, "-m", "_tpu_dist_launch"]  # what tpu-launch runs
 
 # The gloo process-group method -> the name the recording uses (torch's API name).
@@ -83,6 +84,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
         "flattened_v5e": ([*LAUNCH, "--emulate", "v5e:4x4", "--compile-only"], _env()),
         "rank0": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
+        "pipeline": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
         "rank0_real": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--tensors", "real"],
                        _env()),
         "gloo": (
@@ -91,13 +93,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
             _env(TPU_DIST_TOPOLOGY="v5p:2x2x1"),
         ),
     }
-    extra_args = {"dcn": ["--dcn"], "too_big": ["--too-big"], "crash": ["--partial-slices"]}
+    extra_args = {
+        "dcn": ["--dcn"], "too_big": ["--too-big"], "crash": ["--partial-slices"],
+        "pipeline": ["--schedule", "Interleaved1F1B", "--dp", "2", "--steps", "2"],
+    }
 
     def run(name: str) -> tuple[int, int, str, dict | None]:
         cmd, env = commands[name]
         report = tmp / f"{name}.json"
         if name != "gloo":
-            job = {"crash_in_slice": CRASH_JOB, "flattened_v5e": FLAT_JOB}.get(name, JOB)
+            job = {"crash_in_slice": CRASH_JOB, "flattened_v5e": FLAT_JOB,
+                   "pipeline": PIPELINE}.get(name, JOB)
             cmd = [*cmd, "--compile-report", str(report), job, *extra_args.get(name, [])]
         proc = subprocess.Popen(
             cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -124,8 +130,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
 
 
 def _recorded(report: dict) -> tuple[collections.Counter, collections.Counter]:
+    """Calls and bytes per torch op (a send's or recv's header program is not a call of its
+    own: the backend runs one before every message's data)."""
     calls, data = collections.Counter(), collections.Counter()
     for row in report["collectives"]:
+        if row["op"].endswith(" (header)"):
+            continue
         calls[row["op"]] += row["count"]
         if row["op"] in _SAME_BYTES:
             data[row["op"]] += row["count"] * row["bytes_per_rank"]
@@ -169,6 +179,24 @@ def test_flattened_dimensions_of_a_torch_mesh_compile_on_v5e(runs: dict) -> None
     for row in rows:
         if row["mesh_dim"] in ("dp_shard_cp", "dp_cp"):
             assert (row["group_size"], row["family_groups"]) == (4, 4), row
+
+
+def test_a_pipeline_with_fsdp_compiles_every_program(runs: dict) -> None:
+    """``examples/train_pp.py`` (Interleaved1F1B, two stages a rank, on a (pp 2, dp 2) mesh
+    with FSDP2) under --compile-only: every send and recv (each with its header program) and
+    FSDP's collectives over dp are recorded and compile."""
+    code, out, report = runs["pipeline"]
+    assert code == 0, out
+    rows = report["collectives"]
+    assert rows and all(row["compiled"] for row in rows), [r for r in rows if not r["compiled"]]
+    calls = collections.Counter()
+    for row in rows:
+        calls[row["op"]] += row["count"]
+    for op in ("send", "recv"):
+        assert calls[op] > 0 and calls[f"{op} (header)"] == calls[op], calls
+    dp_ops = {row["op"] for row in rows if row["mesh_dim"] == "dp"}
+    assert {"all_gather_into_tensor", "reduce_scatter_tensor"} <= dp_ops, dp_ops
+    assert all(row["group_size"] == 2 for row in rows if row["op"].startswith(("send", "recv")))
 
 
 def test_the_launcher_forks_the_job_unless_told_not_to(runs: dict) -> None:

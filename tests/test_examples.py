@@ -12,7 +12,9 @@ The launches (a few steps each, to keep the suite short):
 4. ``--backend gloo --steps 2`` into the same directory (2 ranks): gloo's losses match one
    process, and saving step 2 below the earlier ``step-4`` warns; 3 (on a copy of the
    directory) and 4 start together.
-5. ``tpu-launch examples/train_fsdp_tp.py`` (4 ranks): TP inside a (2, 2) mesh.
+5. ``tpu-launch examples/train_fsdp_tp.py`` (4 ranks): TP inside a (2, 2) mesh; and
+   ``tpu-launch examples/train_pp.py --schedule Interleaved1F1B`` (2 ranks, two stages each):
+   pipeline parallelism (every schedule beside gloo: ``tests/test_pipelining.py``).
 
 The losses of 1, 4 and 5 are checked against the same model, data and seed trained in the test
 process (the data-parallel ranks' losses averaged): equal up to float rounding, as the
@@ -141,8 +143,9 @@ def test_train_fsdp_tp_matches_one_process() -> None:
         assert loss == pytest.approx(want[step], rel=1e-4), step
 
 
-def _single_process_losses(steps: int, dp: int) -> dict[int, float]:
-    """train_fsdp.py's model, data and seed in this process: ``dp`` ranks' losses averaged."""
+def _single_process_losses(steps: int, dp: int, *flags: str) -> dict[int, float]:
+    """train_fsdp.py's model, data and seed (and ``flags``) in this process: ``dp`` ranks'
+    losses averaged."""
     import importlib.util
 
     import torch
@@ -154,7 +157,7 @@ def _single_process_losses(steps: int, dp: int) -> dict[int, float]:
         ex = importlib.util.module_from_spec(spec)
         sys.modules[spec.name] = ex  # dataclasses look their module up while it loads
         spec.loader.exec_module(ex)
-    args = ex.parse_args([])
+    args = ex.parse_args(list(flags))
     batch_size = ex.global_batch_size(args.batch_size, dp)
     torch.manual_seed(args.seed)
     model = ex.Decoder(ex.model_config(args))
@@ -170,6 +173,19 @@ def _single_process_losses(steps: int, dp: int) -> dict[int, float]:
         optimizer.zero_grad()
         losses[step] = loss.item()
     return losses
+
+
+def test_train_pp_matches_one_process() -> None:
+    # Interleaved 1F1B on 2 ranks, two stages (decoder blocks) each, 8 microbatches of one
+    # sequence: the mean of the microbatches' losses is the whole batch's, so one process
+    # training the 4-block decoder on the same batches gives the same losses (issue 54: the
+    # schedule hung on "tpu" in a receive).
+    losses, last = _launch("tpu-launch", "train_pp.py", "--schedule", "Interleaved1F1B",
+                           "--steps", "3", nproc=2)
+    assert sorted(losses) == [1, 2, 3] and _final(last) == (losses[3], 3)
+    want = _single_process_losses(3, 1, "--layers", "4", "--batch-size", "8")
+    for step, loss in losses.items():
+        assert loss == pytest.approx(want[step], rel=1e-4), step
 
 
 def test_dtensor_jax() -> None:

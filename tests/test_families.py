@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.collective_cases import all_reduce_from_two_threads
-
+from tests.collective_cases import all_reduce_from_threads
 
 _TPU = {"world_size": 4, "backend": "tpu"}
 
@@ -210,7 +209,7 @@ def _flattened_dimensions(rank: int, world_size: int, iters: int) -> dict:
         out[f"{dim}/family"] = getattr(group, "family", None)
     groups = [meshes["dp"].get_group(), meshes["dp_cp"].get_group()]
     before = _agreement_programs()
-    out["wrong"] = all_reduce_from_two_threads(groups, rank, out["dp/ranks"], (1000, 500), iters)
+    out["wrong"] = all_reduce_from_threads([[g] for g in groups], rank, (1000, 500), iters)
     out["agreements"] = _agreement_programs()
     out["new_agreements"] = sorted(set(out["agreements"]) - set(before))
     return out
@@ -245,6 +244,50 @@ def test_flattened_dimensions_are_families_and_agree_on_order_as_one(worlds) -> 
         # by a program of the group's own (the worker's earlier tests may have built one).
         assert (2, (0, 2, 1, 3)) in t["agreements"], (rank, t["agreements"])
         assert all(groups == 2 for groups, _ in t["new_agreements"]), (rank, t)
+
+
+def _threads_over_shared_sets(rank: int, world_size: int, shape: str, iters: int) -> dict:
+    """Threads all-reduce at once on 4 ranks, one of them on a device set two groups share,
+    another on other groups (issue 48, item 3); returns the wrong results of each thread.
+
+    * ``pair``: WORLD and a pair group ([0, 1]), with a ``new_group`` of all ranks alive and
+      unused (so WORLD's calls are ordered by an agreement over the four ranks);
+    * ``world_and_all``: one thread alternates between WORLD and a ``new_group`` of all ranks,
+      the other uses the pair group;
+    * ``mesh``: a registered (dp 2, cp 1, tp 2) torch mesh with ``dp_cp`` flattened (dp's
+      ranks); three threads on dp, dp_cp and tp.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if shape == "mesh":
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp", "cp", "tp"))
+        dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+        if dist.get_backend() == "tpu":
+            from tpu_dist.mesh import register_mesh
+
+            register_mesh(mesh)
+        threads = [[mesh["dp"].get_group()], [dp_cp.get_group()], [mesh["tp"].get_group()]]
+        sizes: tuple[int, ...] = (1000, 500, 700)
+    else:
+        everyone = dist.new_group(list(range(world_size)))
+        pair = dist.new_group([0, 1])
+        world = dist.group.WORLD
+        threads = [[world] if shape == "pair" else [world, everyone], [pair]]
+        sizes = (1000, 500)
+    return {"wrong": all_reduce_from_threads(threads, rank, sizes, iters)}
+
+
+@pytest.mark.parametrize("shape", ["pair", "world_and_all", "mesh"])
+@pytest.mark.parametrize("backend", ["tpu", "gloo"])
+def test_threads_over_shared_rank_sets_never_wait_for_each_other(worlds, backend, shape) -> None:
+    # Before the fix: with one dispatcher thread per process, rank 0 started the pair's
+    # program there while ranks 1-3 waited in WORLD's order agreement on theirs, with the
+    # pair's program queued behind it: every run of "pair" and "world_and_all" hung at 300
+    # calls, "mesh" in 3 of 6 runs (at 30 calls, 2 of 4). A hang fails within the run's timeout.
+    world = worlds(**_TPU) if backend == "tpu" else worlds(4)
+    results = world.run(_threads_over_shared_sets, shape, 300, timeout=60)
+    threads = 3 if shape == "mesh" else 2
+    assert [r["wrong"] for r in results] == [[0] * threads] * 4, results
 
 
 def test_the_agreement_family_of_a_device_set() -> None:

@@ -230,12 +230,17 @@ def test_barrier_and_p2p_keys() -> None:
     # CPU2 is global ranks (4, 6) on devices (10, 11); this process is global rank 4.
     send = _plan.p2p(CPU2, "send", [torch.ones(3)], 1, 7)
     assert send.key == ProgramKey("permute", (10, 11), ((3, "int32"),), ((0, 1),), "xla")
-    assert (send.peer, send.pair, send.tag) == (6, (4, 6), 7)
+    assert (send.peer, send.pair, send.tag, send.group) == (6, (4, 6), 7, CPU2.name)
+    # Every message first moves its header (group, tag, size), the same way.
+    assert send.header == ProgramKey(
+        "permute", (10, 11), ((_plan.P2P_HEADER_WORDS, "int32"),), ((0, 1),), "xla"
+    )
     recv = _plan.p2p(CPU2, "recv", [torch.ones(3)], 1, 7)
     assert recv.key.params == ((1, 0),)  # the higher rank sends
     view = GroupView(1, 2, (10, 11), "cpu", (4, 6))  # global rank 6 sends to 4
     assert _plan.p2p(view, "send", [torch.ones(3)], 0, 0).key.params == ((1, 0),)
-    assert _plan.p2p(CPU2, "send", [torch.ones(0)], 1, 0).key is None
+    empty = _plan.p2p(CPU2, "send", [torch.ones(0)], 1, 0)
+    assert empty.key is None and empty.header.params == ((0, 1),)  # only the header moves
 
 
 def test_receive_from_any_source_is_a_plain_receive_once_the_source_is_known() -> None:

@@ -425,20 +425,20 @@ def p2p_watched(tmp_path: Path) -> tuple[list[str], str]:
 
 
 def test_p2p_is_watched_from_before_dispatch(scenarios) -> None:
-    # The send blocks in its dispatch until the peer arrives (XLA:CPU runs it inline); it is
-    # under the watchdog from before that, as every collective, so it times out (a send
-    # tracked only after its dispatch returned would hang here until the harness kills it).
+    # The send's programs wait until the peer runs them; it is under the watchdog from when
+    # it was posted, as every collective is from before its dispatch, so it times out (a send
+    # tracked only after its program started would hang here until the harness kills it).
     results, record = scenarios("p2p_watched")
     message = results[0]
     assert "timed out after 5 s" in message, message
-    assert "send" in message and "collective #2 of group 'p2p:0-1'" in message, message
+    assert "send" in message and "collective #2 of group 'p2p:0->1'" in message, message
     assert "did not arrive: [1]" in message, message
-    assert '"send"' in record and "p2p:0-1" in record
+    assert '"send"' in record and "p2p:0->1" in record
 
 
 def _p2p_to_a_dead_peer(rank: int, world_size: int) -> None:
     """Rank 1 dies; rank 0's isend to it fails from its own work, not from the all_reduce of
-    group {0, 2} issued after it (which flushes the send out)."""
+    group {0, 2} issued after it."""
     pair = dist.new_group([0, 2])
     t = torch.ones(4)
     if rank == 0:
@@ -453,7 +453,7 @@ def _p2p_to_a_dead_peer(rank: int, world_size: int) -> None:
     time.sleep(1.0)  # rank 1 is gone
     work = dist.isend(t, 1) if rank == 0 else None
     total = torch.full((2,), float(rank))
-    dist.all_reduce(total, group=pair)  # rank 0's flushes the send
+    dist.all_reduce(total, group=pair)
     assert total.tolist() == [2.0, 2.0], total
     if work is None:
         raise RuntimeError("RESULT all_reduce ok")
@@ -476,4 +476,4 @@ def test_p2p_failure_surfaces_from_its_own_work(scenarios) -> None:
     assert "RESULT all_reduce ok" in err.errors.get(2, ""), err
     zero = err.errors.get(0, "")
     assert "RESULT all_reduce ok; isend.wait() raised" in zero, err
-    assert "send (peer 1, tag 0)" in zero and "p2p:0-1" in zero, zero
+    assert "send (peer 1, tag 0)" in zero and "p2p:0->1" in zero, zero

@@ -3,21 +3,19 @@
 Built by the runtime (the composition root, :mod:`._runtime`), one of each per process, and
 handed to every group's pipeline (:mod:`._pipeline`):
 
-* :class:`Dispatcher` starts XLA programs, collectives and point-to-point alike, in the order
-  every rank agrees on (inline when it can, else on its helper thread);
-* :class:`P2PQueue` holds the point-to-point ops waiting to be dispatched: an XLA program
-  needs both ends, so a send and its recv must run the same program in the same order on both
-  ranks; queued ops are dispatched, sorted by (rank pair, direction, tag), when any of them is
-  waited on or the next collective is issued;
+* :class:`Dispatcher` starts the collectives' XLA programs in the order every rank agrees on
+  (inline when it can, else on the helper thread of their device set, a :class:`Lane`);
 * :class:`DeviceSets` counts the groups over each set of devices: calls on a set that two
   groups share need the ranks to agree on their order first (:class:`Dispatcher`).
 
-The pipelines plan and track each call, then hand its program here.
+The pipelines plan and track each call, then hand its program here. Point-to-point ops take
+channels of their own (:mod:`._p2p`, on :class:`Lane` threads too).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 from collections.abc import Callable, Sequence
@@ -31,7 +29,8 @@ from tpu_dist.collectives._types import Kind, ProgramKey
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._lowering import ProgramCache
-    from tpu_dist.collectives._work import TPUWork
+
+logger = logging.getLogger(__name__)
 
 Ticket = tuple[int, int, int]
 """Where a call stands among the calls on its device set: (index of its group among the groups
@@ -50,16 +49,88 @@ class _Job:
     """Set for a call on a device set that several groups share (:class:`Dispatcher`)."""
 
 
+_LANE_IDLE_SECONDS = 10.0
+"""How long a :class:`Lane`'s thread waits for its next job before it ends (a new one starts
+with the next job)."""
+
+
+class Lane:
+    """A helper thread that runs the jobs handed to it one at a time, in the order given.
+
+    The thread starts with the first job and ends after :data:`_LANE_IDLE_SECONDS` without
+    one (the next job starts a new one), so a process that used many device sets once does
+    not keep a thread for each. A daemon thread: one stuck in a collective whose peer is gone
+    must not keep the process from exiting (a ThreadPoolExecutor's worker would).
+    """
+
+    def __init__(self, name: str, run: Callable[[object], None]) -> None:
+        """``run(job)`` must not raise (a job's failure belongs to its own future)."""
+        self._name = name
+        self._run = run
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def put(self, job: object) -> None:
+        """Run ``job`` on the lane's thread after every job handed to it before."""
+        with self._lock:
+            self._jobs.put(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=_LANE_IDLE_SECONDS)
+            except queue.Empty:
+                with self._lock:  # put() starts a new thread once this one is marked gone
+                    if self._jobs.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                self._run(job)
+            except BaseException:  # a bug: logged, and the lane stays alive for the others
+                logger.exception("tpu_dist: %s: a job failed outside its own future", self._name)
+
+
+@dataclass
+class _SetState:
+    """What the dispatcher keeps per device set (sorted device ids)."""
+
+    lane: Lane
+    queued: int = 0
+    """Jobs handed to the lane and not started yet (the agreement's waiting ones included)."""
+    waiting: dict[Ticket, _Job] = field(default_factory=dict)
+    """On a shared set: the calls waiting for the ranks' agreement, by ticket, in arrival
+    order."""
+    awaited: Ticket | None = None
+    """On a shared set: the call all ranks agreed on that has not been issued here yet."""
+
+
 class Dispatcher:
-    """Starts XLA programs on one helper thread, in call order.
+    """Starts XLA programs in call order per device set, each set's on its own helper thread.
 
     XLA:CPU runs small programs inline, inside dispatch, and the first call of a program sets
     up communicators there: either blocks the caller until every peer has arrived. An
-    ``async_op=True`` call must return at once, so its program starts here; with
-    TPU_DIST_TIMEOUT_POLICY=raise every call starts here, so that the caller waits where the
-    watchdog's error reaches it. Programs must start in the same order on every rank, so while
-    this thread has programs to start, every other one of the process starts here too
-    (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread hop.
+    ``async_op=True`` call must return at once, so its program starts on the helper thread of
+    its device set (a :class:`Lane`); with TPU_DIST_TIMEOUT_POLICY=raise every call starts
+    there, so that the caller waits where the watchdog's error reaches it. Programs on one
+    device set must start in the same order on every rank, so while a set's helper thread has
+    programs to start, every other program on that set starts there too
+    (:meth:`run_in_order`); when it is idle, synchronous calls start inline, with no thread
+    hop.
+
+    Device sets are independent. XLA keys its communicators by device set, so programs on
+    different sets never meet each other's messages, and the order in which they start does
+    not matter. Each set has a helper thread of its own, so that no program waits behind
+    another set's: with one thread for the process, a program for set B queued behind an
+    order agreement of set A (which blocks until every rank of A has joined) deadlocked
+    against a rank that had started B first and joined A only after it (issue 48: two threads
+    over WORLD and a pair group, with a ``new_group`` of all ranks alive; a mesh's ``dp``,
+    flattened ``dp_cp`` and ``tp`` from three threads). Threads driving groups over different
+    ranks stay independent, as on gloo, whatever the sets share.
 
     Programs started from different threads. XLA:CPU runs the programs one thread starts in
     that order, but a program started from another thread does not wait for them: it can run
@@ -69,10 +140,8 @@ class Dispatcher:
     pair (gloo sends and receives tagged 0) swapped their data, with no error, or aborted on
     gloo's size check. So "idle" means more than an empty queue: a program starts inline only
     when the last program started on its devices was started by this thread or is done
-    (else it starts here, behind it), and this thread waits for a program another thread
-    started inline on the same devices before it starts one there. Programs on other device
-    sets use other communicators and are not held back (threads driving groups over
-    different ranks stay independent, as on gloo).
+    (else it starts on the set's thread, behind it), and a set's thread waits for a program
+    another thread started inline on the same devices before it starts one there.
 
     Groups over the same devices. XLA keys its communicators by the set of devices a program
     runs on (``gloo/<device ids>`` on CPU, one gloo context per set, every message tagged 0),
@@ -80,15 +149,16 @@ class Dispatcher:
     group its own. Calls of two such groups issued from two threads reach XLA in a different
     order on different ranks, and then one rank's all_reduce of group A meets the other's of
     group B: wrong numbers when the sizes agree, gloo's abort when they do not. So every call
-    on a device set that two or more groups share starts here, and the ranks agree on the
-    order first: each rank offers its oldest waiting call's :data:`Ticket` in a small
-    all-gather over the set (one extra program per call, only on shared sets), all take the
-    smallest ticket offered, and each starts that call as soon as it has been issued locally.
-    One call starts per round, so every rank starts the same calls in the same order. When
-    every group over the set is one of the same family (a mesh dimension and a dimension
+    on a device set that two or more groups share starts on the set's thread, and the ranks
+    agree on the order first: each rank offers its oldest waiting call's :data:`Ticket` in a
+    small all-gather over the set (one extra program per call, only on shared sets), all take
+    the smallest ticket offered, and each starts that call as soon as it has been issued
+    locally. One call starts per round, so every rank starts the same calls in the same order.
+    When every group over the set is one of the same family (a mesh dimension and a dimension
     flattened to the same ranks, as HSDP's and TorchTitan's meshes have), the all-gather is
     that family's program, as the groups' own calls are (:func:`agreement_key`; TPU v5e and v6e
-    compile no other program over part of a slice).
+    compile no other program over part of a slice). An agreement blocks only its own set's
+    thread.
     """
 
     def __init__(
@@ -105,48 +175,44 @@ class Dispatcher:
         self._device_sets = device_sets
         self._to_jax = to_jax
         self._to_torch = to_torch
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self._queued = 0
-        # Per shared device set (sorted device ids): its waiting calls by ticket, in arrival
-        # order, and the ticket all ranks agreed on that has not been issued here yet.
-        self._waiting: dict[tuple[int, ...], dict[Ticket, _Job]] = {}
-        self._awaited: dict[tuple[int, ...], Ticket] = {}
-        # Per device set (sorted ids): the thread (ident) that started the last program on it
-        # and that program's result blocks, while it runs ("Programs started from different
+        self._sets: dict[tuple[int, ...], _SetState] = {}
+        # Per device set (sorted ids): the thread that started the last program on it and
+        # that program's result blocks, while it runs ("Programs started from different
         # threads").
-        self._running: dict[tuple[int, ...], tuple[int, list]] = {}
+        self._running: dict[tuple[int, ...], tuple[threading.Thread, list]] = {}
 
     def submit(
         self, key: ProgramKey, devices, arrays, ticket: Ticket | None = None
     ) -> concurrent.futures.Future:
-        """Start ``key``'s program after every earlier one; the future holds its result blocks.
+        """Start ``key``'s program after every earlier one on its devices, on their helper
+        thread; the future holds its result blocks.
 
         With a ``ticket``, the program starts in the order the ranks agree on (class doc).
         """
         future: concurrent.futures.Future = concurrent.futures.Future()
+        device_set = device_set_of(devices)
         with self._lock:
-            if self._thread is None:
-                # A daemon thread: one stuck in a collective whose peer is gone must not keep
-                # the process from exiting (a ThreadPoolExecutor's worker would).
-                self._thread = threading.Thread(
-                    target=self._loop, name="tpu_dist-dispatch", daemon=True
-                )
-                self._thread.start()
-            self._queued += 1
-        self._queue.put(_Job(future, key, devices, list(arrays), ticket))
+            state = self._sets.get(device_set)
+            if state is None:
+                name = f"tpu_dist-dispatch-{'-'.join(map(str, device_set))}"
+                lane = Lane(name, lambda job, ids=device_set: self._run_job(ids, job))
+                state = self._sets[device_set] = _SetState(lane)
+            state.queued += 1
+        state.lane.put(_Job(future, key, devices, list(arrays), ticket))
         return future
 
     def run_in_order(self, key: ProgramKey, devices, arrays) -> list:
-        """Start ``key``'s program now, inline, unless earlier ones are still queued here or
-        a program another thread started on the same devices is still running (then here)."""
-        me, device_set = threading.get_ident(), device_set_of(devices)
-        if self._queued == 0 and not self._running_elsewhere(device_set, me):
+        """Start ``key``'s program now, inline, unless earlier ones on its devices are still
+        queued on their helper thread or a program another thread started on them is still
+        running (then on the helper thread)."""
+        me, device_set = threading.current_thread(), device_set_of(devices)
+        state = self._sets.get(device_set)
+        if (state is None or state.queued == 0) and not self._running_elsewhere(device_set, me):
             return self._started(device_set, me, self._programs.run(key, devices, arrays))
         return self.submit(key, devices, arrays).result()
 
-    def _started(self, device_set: tuple[int, ...], thread: int, outs: list) -> list:
+    def _started(self, device_set: tuple[int, ...], thread: threading.Thread, outs: list) -> list:
         """Note ``outs`` as the last program started on ``device_set`` (by ``thread``)."""
         running = not _all_ready(outs)
         with self._lock:
@@ -156,7 +222,7 @@ class Dispatcher:
                 self._running.pop(device_set, None)
         return outs
 
-    def _running_elsewhere(self, device_set: tuple[int, ...], me: int) -> bool:
+    def _running_elsewhere(self, device_set: tuple[int, ...], me: threading.Thread) -> bool:
         """Whether the last program on ``device_set`` was started by a thread other than
         ``me`` and is still running.
 
@@ -173,9 +239,9 @@ class Dispatcher:
                 if self._running.get(device_set) is last:
                     del self._running[device_set]
             return False
-        return thread != me
+        return thread is not me
 
-    def _wait_for_others(self, device_set: tuple[int, ...], me: int) -> None:
+    def _wait_for_others(self, device_set: tuple[int, ...], me: threading.Thread) -> None:
         """Block until the last program on ``device_set`` is done if a thread other than
         ``me`` started it (a failure is reported by that program's own work)."""
         if not self._running_elsewhere(device_set, me):
@@ -193,54 +259,53 @@ class Dispatcher:
             if self._running.get(device_set) is last:
                 del self._running[device_set]
 
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job.ticket is None:
-                self._start(job)
-            else:
-                self._order(job)
+    def _run_job(self, device_set: tuple[int, ...], job: _Job) -> None:
+        """On ``device_set``'s helper thread: start ``job`` (or order it first)."""
+        state = self._sets[device_set]
+        if job.ticket is None:
+            self._start(state, job)
+        else:
+            self._order(state, job)
 
-    def _start(self, job: _Job) -> None:
-        me, device_set = threading.get_ident(), device_set_of(job.devices)
+    def _start(self, state: _SetState, job: _Job) -> None:
+        me, device_set = threading.current_thread(), device_set_of(job.devices)
         self._wait_for_others(device_set, me)
         try:
             outs = self._programs.run(job.key, job.devices, job.arrays)
             self._started(device_set, me, outs)
         except BaseException as err:  # handed to whoever waits on the future
-            self._one_started()
-            job.future.set_exception(err)
+            self._one_started(state)
+            settle(job.future, error=err)
         else:
-            self._one_started()
-            job.future.set_result(outs)
+            self._one_started(state)
+            settle(job.future, outs)
 
-    def _order(self, job: _Job) -> None:
+    def _order(self, state: _SetState, job: _Job) -> None:
         """Start the calls of ``job``'s device set in the order every rank agrees on."""
         devices = sorted(job.devices, key=lambda d: d.id)
-        ids = tuple(d.id for d in devices)
-        waiting = self._waiting.setdefault(ids, {})
+        waiting = state.waiting
         waiting[job.ticket] = job
         while waiting:
-            awaited = self._awaited.get(ids)
+            awaited = state.awaited
             if awaited is not None:
                 if awaited not in waiting:
                     return  # the agreed call has not been issued here yet
-                del self._awaited[ids]
-                self._start(waiting.pop(awaited))
+                state.awaited = None
+                self._start(state, waiting.pop(awaited))
                 continue
             offer = next(iter(waiting))
             try:
                 agreed = min(self._agree(devices, offer))
             except BaseException as err:  # the set is broken: every call on it fails
                 for failed in waiting.values():
-                    self._one_started()
-                    failed.future.set_exception(err)
+                    self._one_started(state)
+                    settle(failed.future, error=err)
                 waiting.clear()
                 return
             if agreed in waiting:
-                self._start(waiting.pop(agreed))
+                self._start(state, waiting.pop(agreed))
             else:
-                self._awaited[ids] = agreed
+                state.awaited = agreed
 
     def _agree(self, devices: list, offer: Ticket) -> list[Ticket]:
         """All-gather every rank's offered ticket over ``devices`` (sorted by id)."""
@@ -249,15 +314,15 @@ class Dispatcher:
             ids, devices[0].platform, self._device_sets.family(ids), devices[0].device_kind
         )
         mine = self._to_jax(torch.tensor(offer, dtype=torch.int32))
-        self._wait_for_others(ids, threading.get_ident())
+        self._wait_for_others(ids, threading.current_thread())
         (gathered,) = self._programs.run(key, devices, [mine])
         gathered.block_until_ready()
         rows = self._to_torch(gathered).view(len(ids), len(offer)).tolist()
         return [tuple(row) for row in rows]
 
-    def _one_started(self) -> None:
+    def _one_started(self, state: _SetState) -> None:
         with self._lock:
-            self._queued -= 1
+            state.queued -= 1
 
 
 def agreement_key(
@@ -276,6 +341,20 @@ def agreement_key(
     )
 
 
+def settle(
+    future: concurrent.futures.Future, outs: list | None = None, error: BaseException | None = None
+) -> None:
+    """Resolve ``future`` (a program's start) with ``outs``, or fail it with ``error``, unless
+    its work was interrupted meanwhile (:meth:`._work.TPUWork.interrupt` failed it first)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(outs)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 def device_set_of(devices: Sequence) -> tuple[int, ...]:
     """The sorted ids of ``devices``: what XLA keys a program's communicator by."""
     return tuple(sorted(d.id for d in devices))
@@ -290,56 +369,6 @@ def _all_ready(outs: list) -> bool:
         except Exception:  # noqa: BLE001 (deleted after its data was taken: done)
             continue
     return True
-
-
-@dataclass
-class P2POp:
-    """A planned send or recv waiting in the :class:`P2PQueue`."""
-
-    work: TPUWork
-    plan: _plan.P2PPlan
-    dispatch: Callable[[P2POp, bool], None]
-    """Tracks and starts the op (its group's); never raises (it fails ``work`` instead)."""
-    seq: int = 0
-    """Its number among the ops between its two ranks, set when it is dispatched."""
-
-
-def _p2p_order(op: P2POp) -> tuple[int, int, int, int]:
-    """(low rank, high rank, 0 if the lower one sends else 1, tag): the same on both ends."""
-    low, high = op.plan.pair
-    upward = (op.plan.op == "send") == (op.plan.peer == high)
-    return (low, high, 0 if upward else 1, op.plan.tag)
-
-
-@dataclass
-class P2PQueue:
-    """Point-to-point ops of this process that wait to be dispatched (module doc)."""
-
-    pending: list[P2POp] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    _seq: dict[tuple[int, int], int] = field(default_factory=dict)
-
-    def add(self, op: P2POp) -> None:
-        with self.lock:
-            self.pending.append(op)
-
-    def next_seq(self, pair: tuple[int, int]) -> int:
-        """The next sequence number of the ops between the global ranks ``pair``."""
-        seq = self._seq[pair] = self._seq.get(pair, 0) + 1
-        return seq
-
-    def flush(self, block: bool = True) -> None:
-        """Dispatch every queued op, in the order every rank agrees on (module doc).
-
-        Never raises: an op whose program cannot be started fails its own work. With
-        ``block=False`` every program starts on the dispatcher thread (a ``wait(timeout)``).
-        """
-        if not self.pending:  # every collective calls this; most find nothing queued
-            return
-        with self.lock:
-            ops, self.pending = self.pending, []
-        for op in sorted(ops, key=_p2p_order):
-            op.dispatch(op, block)
 
 
 class DeviceSets:

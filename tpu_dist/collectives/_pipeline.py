@@ -14,14 +14,10 @@ function (:mod:`._plan`, pure) handed to the group's :class:`Pipeline`, which ow
 4. **complete** (:class:`._work.TPUWork`): the finish step copies the result blocks into the
    outputs, on whichever thread waits first.
 
-Point-to-point ops take the same stages, queued between plan and track: an XLA program needs
-both ends, so a send and its recv must run the same program in the same order on both ranks.
-Queued ops (:class:`._dispatch.P2PQueue`) are dispatched when any of them is waited on or the
-next collective is issued, sorted by (rank pair, direction, tag). That makes
-``batch_isend_irecv`` and ``isend``/``irecv`` exchanges deadlock-free in any issue order, like
-gloo; a blocking ``send`` must be matched by a ``recv`` on the peer at the same point of its
-sequence, like NCCL. An op whose program cannot start fails its own work: a collective that
-happened to flush the queue never raises a p2p op's error.
+Point-to-point ops are tracked when posted and handed to their direction's channel
+(:class:`._p2p.P2PChannels`): an XLA program needs both ends, so each send and its receive run
+the same programs, in the sender's order, matched by group and tag as gloo matches them. An op
+whose program cannot start fails its own work.
 
 With ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` every call is first checked against the other ranks'
 (:meth:`Pipeline._check_same_call`).
@@ -46,12 +42,14 @@ import torch
 import torch.distributed as dist
 
 from tpu_dist.collectives import _plan, _watchdog
-from tpu_dist.collectives._dispatch import P2POp, Ticket, device_set_of
+from tpu_dist.collectives._dispatch import Ticket, device_set_of
+from tpu_dist.collectives._p2p import P2POp
 from tpu_dist.collectives._types import Call, Kind
 from tpu_dist.collectives._work import TPUWork, wait_interruptibly
 
 if TYPE_CHECKING:
-    from tpu_dist.collectives._dispatch import DeviceSets, Dispatcher, P2PQueue
+    from tpu_dist.collectives._dispatch import DeviceSets, Dispatcher
+    from tpu_dist.collectives._p2p import P2PChannels
     from tpu_dist.collectives._work import Completer
 
 _CALL_BYTES = 256
@@ -70,7 +68,7 @@ class GroupPipeline(Protocol):
     def send_or_recv(
         self, group: _plan.GroupView, plan: _plan.P2PPlan, timeout: timedelta
     ) -> TPUWork:
-        """Queue (or record) a planned send or receive."""
+        """Post (or record) a planned send or receive."""
 
     def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
         """A work that ``before_wait`` completes (a receive from any source)."""
@@ -87,7 +85,7 @@ class Services:
     """What a pipeline uses of its process: the runtime's, handed down by it."""
 
     dispatcher: Dispatcher
-    p2p: P2PQueue
+    p2p: P2PChannels
     device_sets: DeviceSets
     completer: Completer
     watchdog: _watchdog.Watchdog | None
@@ -177,7 +175,6 @@ class Pipeline:
         async_op: bool = False,
     ) -> TPUWork:
         s = self._s
-        s.p2p.flush()
         if plan.key is None:  # nothing to move
             return TPUWork.completed(plan.op, plan.finish([]))
         key = plan.key
@@ -304,21 +301,29 @@ class Pipeline:
     def send_or_recv(
         self, group: _plan.GroupView, plan: _plan.P2PPlan, timeout: timedelta
     ) -> TPUWork:
-        """Queue a planned send or recv; the next flush tracks and dispatches it (module doc)."""
-        p2p = self._s.p2p
-
-        def dispatch(op: P2POp, block: bool) -> None:
-            self._dispatch_p2p(op, block, timeout)
-
+        """Track a planned send or recv and post it to its channel (module doc)."""
+        s = self._s
+        devices = tuple(self._devices[r] for r in plan.pair_group_ranks)
+        op = P2POp(plan, devices, 0)
+        op.seq = s.p2p.next_seq(plan, op.direction)
         work = TPUWork(
             plan.description,
             poll=self._poll,
             explain=lambda err: self._explain_p2p(err, op, timeout),
-            before_wait=p2p.flush,
-            completer=self._s.completer,
+            completer=s.completer,
         )
-        op = P2POp(work, plan, dispatch)
-        p2p.add(op)
+        try:
+            work.on_done(_watchdog.track(s.watchdog, work, self._p2p_call(op, timeout)))
+        except dist.DistBackendError as err:
+            work.fail(err)
+            return work
+        to_torch = s.to_torch
+
+        def complete(outs: list) -> list[torch.Tensor]:
+            return plan.finish([to_torch(o) for o in outs])
+
+        work.start_later(op.future, complete)
+        s.p2p.post(op)
         return work
 
     def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
@@ -327,13 +332,14 @@ class Pipeline:
         return TPUWork(description, before_wait=before_wait, completer=self._s.completer)
 
     def _p2p_call(self, op: P2POp, timeout: timedelta, *, described: bool = False) -> Call:
-        """``op`` as a call of its pair's "group": named ``send``/``recv`` (the flight
-        recorder's and the watchdog's op), or with ``described`` by its description
-        (``send (peer 1, tag 0)``, for an error message)."""
-        low, high = op.plan.pair
-        name = op.work.description if described else op.plan.op
+        """``op`` as a call of its direction's "group" (``p2p:<sender>-><receiver>``): named
+        ``send``/``recv`` (the flight recorder's and the watchdog's op), or with ``described``
+        by its description (``send (peer 1, tag 0)``, for an error message)."""
+        src, dst = op.direction
+        name = op.plan.description if described else op.plan.op
+        key = op.plan.key if op.plan.key is not None else op.plan.header
         return Call(
-            name, f"p2p:{low}-{high}", (low, high), op.seq, op.plan.key, timeout,
+            name, f"p2p:{src}->{dst}", (src, dst), op.seq, key, timeout,
             params=(f"tag={op.plan.tag}",),
         )
 
@@ -342,34 +348,3 @@ class Pipeline:
     ) -> dist.DistBackendError:
         call = self._p2p_call(op, timeout, described=True)
         return _watchdog.explain_failure(self._s.watchdog, err, call, self._s.rank)
-
-    def _dispatch_p2p(self, op: P2POp, block: bool, timeout: timedelta) -> None:
-        """Track, then start one queued point-to-point op as a two-device permute program.
-
-        A program that cannot be started fails ``op.work``, never the caller (which may be
-        an unrelated collective flushing the queue).
-        """
-        plan = op.plan
-        if plan.key is None:
-            op.work.start((), plan.finish)
-            return
-        s = self._s
-        op.seq = s.p2p.next_seq(plan.pair)
-
-        def complete(outs: list) -> list[torch.Tensor]:
-            return plan.finish([s.to_torch(o) for o in outs])
-
-        try:
-            op.work.on_done(_watchdog.track(s.watchdog, op.work, self._p2p_call(op, timeout)))
-            array = s.to_jax(plan.block)
-            devices = [self._devices[r] for r in plan.pair_group_ranks]
-            if block and not self._poll:
-                op.work.start(s.dispatcher.run_in_order(plan.key, devices, [array]), complete)
-            else:
-                op.work.start_later(s.dispatcher.submit(plan.key, devices, [array]), complete)
-        except dist.DistBackendError as err:
-            op.work.fail(err)
-        except Exception as err:
-            error = self._explain_p2p(err, op, timeout)
-            error.__cause__ = err
-            op.work.fail(error)

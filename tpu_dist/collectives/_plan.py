@@ -155,18 +155,30 @@ class Plan:
     doc): the pipeline runs the program, then raises this."""
 
 
+P2P_HEADER_WORDS = 8
+"""int32 words of the header program every send and receive runs before its data
+(:mod:`._p2p`: it carries the group, the tag and the size of the message)."""
+
+
 @dataclass(frozen=True)
 class P2PPlan:
-    """A send or a receive, planned: a two-device permute program from ``src`` to ``dst``.
+    """A send or a receive, planned: two two-device permute programs from ``src`` to ``dst``,
+    the message's header (``header``), then its data (``key``).
 
-    The pair's program runs over the devices of the lower and the higher global rank, in that
-    order (``key.devices``); ``key`` is None for an empty tensor (nothing to move).
+    The pair's programs run over the devices of the lower and the higher global rank, in that
+    order (``key.devices``); ``key`` is None for an empty tensor (only the header moves).
     """
 
     op: Literal["send", "recv"]
     description: str
     """``send (peer 1, tag 0)``."""
     key: ProgramKey | None
+    header: ProgramKey
+    """The header's program (:data:`P2P_HEADER_WORDS` int32 words, the same direction)."""
+    group: str
+    """The group's name: sends and receives match within one group, as gloo's."""
+    tensor: torch.Tensor
+    """The tensor sent, or received into."""
     block: torch.Tensor
     """The tensor as raw words (what is sent; a recv's block only gives the program its shape)."""
     finish: Finish
@@ -1180,9 +1192,9 @@ def p2p(
 ) -> P2PPlan:
     """A ``send`` of ``tensors[0]`` to group rank ``peer``, or a ``recv`` from it.
 
-    The program is a permute between the two ranks' devices, ordered by global rank: its
-    devices are (lower, higher) global rank's, and its permutation ``((0, 1),)`` when the
-    lower one sends, ``((1, 0),)`` when it receives.
+    The programs (the header's, then the data's) are permutes between the two ranks' devices,
+    ordered by global rank: their devices are (lower, higher) global rank's, and their
+    permutation ``((0, 1),)`` when the lower one sends, ``((1, 0),)`` when it receives.
     """
     is_send = op == "send"
     tensor = _checks.check_single(op, tensors)
@@ -1199,19 +1211,24 @@ def p2p(
     low, high = sorted((src, dst))
     ranks = (group.rank, peer) if me == low else (peer, group.rank)
     block = words(tensor)
+    devices = (group.device_ids[ranks[0]], group.device_ids[ranks[1]])
+    upward = src == low
     key = None
     if block.numel():
-        key = ProgramKey(
-            Kind.PERMUTE,
-            (group.device_ids[ranks[0]], group.device_ids[ranks[1]]),
-            ((block.numel(), DTYPE_NAMES[block.dtype]),),
-            ((0, 1),) if src == low else ((1, 0),),
-            "xla",
-        )
+        key = permute_key(devices, block.numel(), DTYPE_NAMES[block.dtype], upward)
     finish = (lambda results: [tensor]) if is_send else _writes([tensor])
     return P2PPlan(
-        op, f"{op} (peer {peer}, tag {tag})", key, block, finish, other, int(tag),
-        (low, high), ranks,
+        op, f"{op} (peer {peer}, tag {tag})", key,
+        permute_key(devices, P2P_HEADER_WORDS, "int32", upward), group.name, tensor, block,
+        finish, other, int(tag), (low, high), ranks,
+    )
+
+
+def permute_key(devices: tuple[int, int], length: int, dtype: str, upward: bool) -> ProgramKey:
+    """The program that moves ``length`` words of ``dtype`` between the two ``devices`` (the
+    lower global rank's first): from the first to the second if ``upward``, else back."""
+    return ProgramKey(
+        Kind.PERMUTE, devices, ((length, dtype),), ((0, 1),) if upward else ((1, 0),), "xla"
     )
 
 

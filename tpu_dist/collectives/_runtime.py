@@ -4,8 +4,8 @@ One :class:`Runtime` per process (:func:`get`) owns everything that lives longer
 than one call: the JAX runtime and its devices, the program cache
 (``_lowering.ProgramCache``), the on-disk compile cache as this process uses it
 (``_compile_cache.CompileCache``), which private jaxlib calls still work
-(``_jaxlib.JaxlibCalls``), the dispatcher, the point-to-point queue and the
-group counts per device set (``_dispatch``), the completion thread
+(``_jaxlib.JaxlibCalls``), the dispatcher and the group counts per device set
+(``_dispatch``), the point-to-point channels (``_p2p``), the completion thread
 (``_work.Completer``) and the watchdog (``_watchdog``). The modules of the
 package keep no per-process state of their own: what must be process-wide
 (this object itself among it) is declared in :mod:`tpu_dist._process`
@@ -85,6 +85,7 @@ from tpu_dist.collectives import (
     _dispatch,
     _jaxlib,
     _lowering,
+    _p2p,
     _pipeline,
     _watchdog,
     _work,
@@ -173,8 +174,8 @@ class Runtime:
     It owns the stages of a collective's life that outlive one call: the JAX runtime
     (:attr:`info`, :attr:`devices`, started by :meth:`start`), the compiled programs
     (:attr:`programs`, with the on-disk cache :attr:`disk_cache` and the private jaxlib calls
-    :attr:`jaxlib`), the ordered dispatch of programs and the queue of point-to-point
-    ops (:attr:`dispatcher`, :attr:`p2p`, :attr:`device_sets`), the thread that completes
+    :attr:`jaxlib`), the ordered dispatch of programs and the channels of point-to-point
+    ops (:attr:`dispatcher`, :attr:`device_sets`, :attr:`p2p`), the thread that completes
     works whose future was asked for (:attr:`completer`) and the watchdog (:attr:`watchdog`,
     started by :meth:`start_watchdog`). It is the composition root: it builds each group's
     pipeline (:meth:`pipeline`) from these parts and hands them down; no module of the
@@ -198,7 +199,7 @@ class Runtime:
         self.dispatcher = _dispatch.Dispatcher(
             self.programs, self.to_jax, self.to_torch, self.device_sets
         )
-        self.p2p = _dispatch.P2PQueue()
+        self.p2p = _p2p.P2PChannels(self.programs, self.to_jax, self.to_torch)
         self.completer = _work.Completer()
         self.watchdog: _watchdog.Watchdog | None = None
         """Started with the default group (:meth:`start_watchdog`); None before, and in
@@ -350,7 +351,7 @@ class Runtime:
 
     def pipeline(self, devices: Sequence[jax.Device]) -> _pipeline.Pipeline:
         """A new group's pipeline over ``devices`` (one per group rank), with this process's
-        dispatcher, p2p queue, completion thread and watchdog (the group's track, dispatch and
+        dispatcher, p2p channels, completion thread and watchdog (the group's track, dispatch and
         complete stages: :mod:`._pipeline`).
 
         ``TPU_DIST_TIMEOUT_POLICY=raise`` makes its works poll (the watchdog can interrupt

@@ -129,13 +129,14 @@ class Call:
 
     Built by the group's pipeline when the call is issued; read by the watchdog, the flight
     recorder and (compile-only) the recorder. For a point-to-point op the "group" is the pair:
-    ``group`` is ``"p2p:<low>-<high>"`` and ``ranks`` the two global ranks.
+    ``group`` is its direction, ``"p2p:<sender>-><receiver>"``, and ``ranks`` the two global ranks
+    (sender first).
     """
 
     op: str
     """The op as users know it: ``all_reduce``, ``send (peer 1, tag 0)``."""
     group: str
-    """The group's name (torch's ``group_name``), or ``p2p:<low>-<high>``."""
+    """The group's name (torch's ``group_name``), or ``p2p:<sender>-><receiver>``."""
     ranks: tuple[int, ...]
     """Global rank of each group rank."""
     seq: int

@@ -4,7 +4,7 @@ A :class:`TPUWork` is the *complete* stage of a collective's life (plan -> track
 complete). Its state is one field, :class:`WorkState`:
 
 * ``PENDING``: issued, its XLA program not started yet (an ``async_op=True`` call whose program
-  the dispatcher thread has not started, a point-to-point op still queued);
+  the dispatcher thread has not started, a point-to-point op whose message has not come);
 * ``RUNNING``: the program was started; its result blocks are JAX arrays that may not be ready;
 * ``DONE``: the finish step ran: the outputs are written;
 * ``FAILED``: the program, its start or its finish step failed (or the watchdog gave up on
@@ -93,7 +93,7 @@ class TPUWork(dist._Work):
             explain: Turns an XLA error into the ``DistBackendError`` users get.
             complete_earlier: Completes the group's earlier works (called before finishing).
             before_wait: Called with ``block`` before any wait: starts what the work waits on
-                (queued point-to-point ops; the sender of a receive from any source).
+                (the sender of a receive from any source, then the receive).
                 ``block=False`` for a ``wait(timeout)``: start without waiting inline.
             completer: The process's completion thread, which completes the work once its
                 future is asked for (:meth:`get_future`).
@@ -183,9 +183,18 @@ class TPUWork(dist._Work):
         callback(self._error)
 
     def interrupt(self, error: BaseException) -> None:
-        """Fail a work whose program will never finish (the watchdog's ``raise`` policy): its
-        waiters (polling) raise ``error``."""
+        """Fail a work whose program will never finish (the watchdog's: ``raise`` policy, or
+        peers that exited): its waiters raise ``error``. Polling waiters see it at their next
+        look; one waiting for a program that has not started (a receive whose sender exited
+        before sending) is woken through the start's future, which its starter then leaves
+        as it is (:func:`._dispatch.settle`)."""
         self._interrupted = error
+        starting = self._starting
+        if starting is not None:
+            try:
+                starting.set_exception(error)
+            except concurrent.futures.InvalidStateError:  # started (or failed) already
+                pass
 
     def complete_if_finished(self) -> bool:
         """Complete the work if its program has finished (never blocks); True once ended."""
@@ -205,7 +214,7 @@ class TPUWork(dist._Work):
                 return True
             return all(a.is_ready() for a in starting.result())
         if self._state is WorkState.PENDING:
-            return False  # nothing started yet (a queued point-to-point op)
+            return False  # nothing started yet (a receive from any source before its wait)
         return all(a.is_ready() for a in self._arrays)
 
     def _await_start(self) -> None:
@@ -236,7 +245,8 @@ class TPUWork(dist._Work):
 
     def complete(self, *, flush: bool = True) -> None:
         """Wait for the program and run the finish step once; ``flush=False`` skips
-        ``before_wait`` (starting queued point-to-point ops), for helper threads."""
+        ``before_wait`` (a receive from any source's search for its sender), for helper
+        threads."""
         if flush and self._before_wait is not None and self._state not in _ENDED:
             self._before_wait(True)
         if self._complete_earlier is not None and self._state not in _ENDED:

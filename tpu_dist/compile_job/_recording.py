@@ -237,11 +237,21 @@ class RecordingPipeline:
         return TPUWork.completed(plan.op, plan.finish(results))
 
     def send_or_recv(self, group: GroupView, plan: P2PPlan, timeout: timedelta) -> TPUWork:
-        """Record the two-device permute program the backend would run, instead of queueing."""
+        """Record the two-device permute programs the backend would run (the message's header,
+        then its data), instead of sending; a receive's tensor is filled with ones.
+
+        Ones, not what the peer would send (no peer runs): a value code can go on with, where
+        the tensor's own (often uninitialised) memory could hold a count or a size that sends
+        the script astray. torch's pipeline schedules need it: their warm-up multiplies each
+        stage's "shapes are known" vote (1) into what it received.
+        """
+        desc = f"p2p in {group.desc or 'default group'}"
+        self._recorder.add(f"{plan.op} (header)", plan.pair, desc, plan.header)
         if plan.key is not None:
-            self._recorder.add(
-                plan.op, plan.pair, f"p2p in {group.desc or 'default group'}", plan.key
-            )
+            self._recorder.add(plan.op, plan.pair, desc, plan.key)
+        if plan.op == "recv":
+            with torch.no_grad():  # as the backend's finish step writes (a leaf that requires grad)
+                plan.tensor.fill_(1)
         return TPUWork.completed(plan.description, plan.finish([]))
 
     def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
