@@ -125,10 +125,16 @@ class Watchdog:
         *,
         hosts_service: Callable[[], bool] = lambda: False,
         disconnect: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+        threads: bool = True,
     ) -> None:
         """``hosts_service``: whether this process hosts JAX's coordination service (then it
         waits for the others at exit); ``disconnect``: leaves that service (at exit, before
-        the exit note). Both are the runtime's, handed down by it."""
+        the exit note). Both are the runtime's, handed down by it. ``clock``: the seconds the
+        heartbeat and the watch go by; ``threads``: start the heartbeat and watch threads,
+        which call :meth:`beat` and :meth:`look` every ``interval`` (a test without them calls
+        those itself, with a clock of its own)."""
+        self._clock = clock
         self._hosts_service = hosts_service
         self._disconnect = disconnect
         self.rank = rank
@@ -146,7 +152,7 @@ class Watchdog:
         self._watch_ranks: set[int] = set()
         # When the store last answered every request of a heartbeat, and the error of the
         # requests since then, if one failed (None: they are still waiting for an answer).
-        self._io_alive = time.monotonic()
+        self._io_alive = clock()
         self._io_error: str | None = None
         self._fired: set[int] = set()
         # Peers that noted their exit (rank -> local time first seen), and where each peer
@@ -167,9 +173,13 @@ class Watchdog:
         self._threads = [
             threading.Thread(target=target, name=f"tpu_dist-{name}", daemon=True)
             for target, name in ((self._heartbeat_loop, "heartbeat"), (self._watch_loop, "watchdog"))
-        ]
+        ] if threads else []
         for thread in self._threads:
             thread.start()
+
+    def now(self) -> float:
+        """The watchdog's clock (a call's start is read from it)."""
+        return self._clock()
 
     # -- called by the backend -----------------------------------------------
 
@@ -360,67 +370,78 @@ class Watchdog:
 
     def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
-            try:
-                self._beats += 1
-                progress = ",".join(f"{g}={s}" for g, s in list(self._progress.items()))
-                waiting = ",".join(str(r) for r in sorted(self._watch_ranks))
-                self._store.set(f"{_KEY}{self.rank}", f"{self._beats}|{progress}|{waiting}")
-                for peer in list(self._watch_ranks):
-                    value = self._read_heartbeat(peer)
-                    old = self._seen.get(peer)
-                    if old is None or old[0] != value:
-                        self._seen[peer] = (value, time.monotonic())
-                    if peer not in self._exited and self._store.check([f"{_EXITED}{peer}"]):
-                        self._exited[peer] = time.monotonic()
-                    if peer not in self._pids:
-                        self._process_state(peer)  # reads its pid, for the watch thread
-                for group in list(self._progress):
-                    key = f"{_FAILED_GROUP}{group}/{self._epochs.get(group, 0)}"
-                    if group not in self._failed_groups and self._store.check([key]):
-                        self._failed_groups[group] = self._store.get(key).decode()
-                self._io_alive = time.monotonic()
-                self._io_error = None
-            except Exception as err:  # the store is gone: the watch loop reports it
-                logger.debug("tpu_dist heartbeat: %s", err)
-                self._io_error = f"{type(err).__name__}: {err}".strip()
+            self.beat()
             self._stopping.wait(self.interval)
 
     def _watch_loop(self) -> None:
         while not self._stopping.wait(self.interval):
-            now = time.monotonic()
-            with self._lock:
-                items = list(self._in_flight.values())
-            # Watch peers only while something waits on them (reads cost store traffic).
-            old_enough = [i for i in items if now - i.started > self.interval]
-            self._watch_ranks = {r for i in old_enough for r in i.group_ranks if r != self.rank}
-            for item in items:
-                reason = self._failed_groups.get(item.group)
-                if reason is not None and id(item.work) not in self._fired:
-                    self._fired.add(id(item.work))
-                    message = (
-                        f"tpu_dist: {item.op} (collective #{item.seq} of group "
-                        f"{item.group!r}) failed on rank {self.rank}: the group failed "
-                        f"({reason})."
-                    )
-                    # Every rank whose collective fails writes its record, not only the one
-                    # that timed out first: the analyzer needs them all to say who is behind.
-                    try:
-                        path = flight_recorder.recorder().dump(reason=message)
-                        message += f" Flight record: {path}."
-                    except OSError as err:
-                        message += f" (flight record not written: {err})"
-                    item.work.interrupt(dist.DistBackendError(message))
-            for item in old_enough:
-                if id(item.work) in self._fired:
-                    continue
-                # A finished program whose work nobody waits on (async_op=True, never
-                # waited) is not in flight: complete it, do not time it out.
-                if item.work.complete_if_finished():
-                    continue
-                diagnosis = self._diagnose(item, now)
-                if diagnosis is not None:
-                    self._fired.add(id(item.work))
-                    self._act(item, *diagnosis)
+            self.look()
+
+    def beat(self) -> None:
+        """One heartbeat: write this rank's into the store, read those of the ranks waited for
+        (and their exit notes, and where they run) and this rank's groups' failure notes."""
+        try:
+            self._beats += 1
+            progress = ",".join(f"{g}={s}" for g, s in list(self._progress.items()))
+            waiting = ",".join(str(r) for r in sorted(self._watch_ranks))
+            self._store.set(f"{_KEY}{self.rank}", f"{self._beats}|{progress}|{waiting}")
+            for peer in list(self._watch_ranks):
+                value = self._read_heartbeat(peer)
+                old = self._seen.get(peer)
+                if old is None or old[0] != value:
+                    self._seen[peer] = (value, self._clock())
+                if peer not in self._exited and self._store.check([f"{_EXITED}{peer}"]):
+                    self._exited[peer] = self._clock()
+                if peer not in self._pids:
+                    self._process_state(peer)  # reads its pid, for the watch thread
+            for group in list(self._progress):
+                key = f"{_FAILED_GROUP}{group}/{self._epochs.get(group, 0)}"
+                if group not in self._failed_groups and self._store.check([key]):
+                    self._failed_groups[group] = self._store.get(key).decode()
+            self._io_alive = self._clock()
+            self._io_error = None
+        except Exception as err:  # the store is gone: the watch reports it
+            logger.debug("tpu_dist heartbeat: %s", err)
+            self._io_error = f"{type(err).__name__}: {err}".strip()
+
+    def look(self, now: float | None = None) -> None:
+        """One look at the collectives in flight (``now``: the clock's, by default): fail those
+        of a failed group, complete finished ones nobody waits on, and act on the others that
+        will not complete (:meth:`_diagnose`, :meth:`_act`)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            items = list(self._in_flight.values())
+        # Watch peers only while something waits on them (reads cost store traffic).
+        old_enough = [i for i in items if now - i.started > self.interval]
+        self._watch_ranks = {r for i in old_enough for r in i.group_ranks if r != self.rank}
+        for item in items:
+            reason = self._failed_groups.get(item.group)
+            if reason is not None and id(item.work) not in self._fired:
+                self._fired.add(id(item.work))
+                message = (
+                    f"tpu_dist: {item.op} (collective #{item.seq} of group "
+                    f"{item.group!r}) failed on rank {self.rank}: the group failed "
+                    f"({reason})."
+                )
+                # Every rank whose collective fails writes its record, not only the one
+                # that timed out first: the analyzer needs them all to say who is behind.
+                try:
+                    path = flight_recorder.recorder().dump(reason=message)
+                    message += f" Flight record: {path}."
+                except OSError as err:
+                    message += f" (flight record not written: {err})"
+                item.work.interrupt(dist.DistBackendError(message))
+        for item in old_enough:
+            if id(item.work) in self._fired:
+                continue
+            # A finished program whose work nobody waits on (async_op=True, never
+            # waited) is not in flight: complete it, do not time it out.
+            if item.work.complete_if_finished():
+                continue
+            diagnosis = self._diagnose(item, now)
+            if diagnosis is not None:
+                self._fired.add(id(item.work))
+                self._act(item, *diagnosis)
 
     def _diagnose(self, item: InFlight, now: float) -> tuple[str, bool] | None:
         """Why ``item`` will not complete, and whether only exited peers are to blame.
@@ -634,7 +655,7 @@ def track(
     if watchdog is not None:
         watchdog.issued(call.group, call.seq)
         watchdog.watch(InFlight(
-            work, call.group, list(call.ranks), call.seq, call.op, time.monotonic(),
+            work, call.group, list(call.ranks), call.seq, call.op, watchdog.now(),
             call.timeout.total_seconds(),
         ))
 
