@@ -25,6 +25,7 @@ early, use ``with World(...) as world`` in a fixture of your own.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import tempfile
@@ -146,8 +147,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     process (each pytest-xdist worker runs a few hundred tests in-process) do not scan it again
     each time: 6.8 of the two workers' 58 CPU-s were the collector's before
     (docs/decisions/0030-test-suite-time.md). Nothing collection made becomes garbage while
-    tests run."""
+    tests run. At exit it goes back to the collector (``gc.unfreeze``), so that the
+    interpreter's teardown frees it: frozen, triton's classes (collection imports
+    ``torch._dynamo``, which imports triton on torch's CUDA builds) outlived it, and triton
+    3.9's nanobind bindings (torch 2.15) printed their ``nanobind: leaked ...`` report at the
+    end of every worker's run (docs/decisions/0032-torch-2.14-and-2.15.md)."""
     gc.freeze()
+    atexit.register(gc.unfreeze)
 
 
 TIERS: dict[str, tuple[str, ...]] = {

@@ -72,6 +72,10 @@ def _run(launcher: str, script: str, *args: str, nproc: int = 4,
         f"{launcher} {script} exited with {proc.returncode}\n"
         f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
     )
+    # Nothing reports leaks at exit (issue 49: triton's nanobind bindings, torch 2.15, did in
+    # every worker tpu-launch forked from a zygote that had frozen them).
+    leaks = [line for line in (proc.stdout + proc.stderr).splitlines() if "leaked" in line]
+    assert not leaks, f"{launcher} {script}: leak reports at exit:\n" + "\n".join(leaks[:10])
     return proc
 
 

@@ -7,9 +7,11 @@
   imports tpu_dist, without importing tpu_dist or JAX; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0`` leaves
   it out; with ``TPU_DIST_DEFAULT_FOR_CPU=1`` a group created with no backend is tpu_dist's. The
   hook beside TorchTPU's registration, in either order, ends as ``import tpu_dist`` did before.
-* ``tpu_dist.collectives.set_timeout`` moves the watchdog's deadline for later collectives;
-  torch's ``_set_pg_timeout`` does not reach Python process groups (it warns and changes
-  nothing), which the first test shows against torch itself.
+* ``tpu_dist.collectives.set_timeout`` moves the watchdog's deadline for later collectives, and
+  so does torch's public ``dist.set_timeout`` where torch has it (2.14+; issue 49): a shortened
+  timeout fires on "tpu" as on gloo beside it. torch 2.13's private ``_set_pg_timeout`` does
+  not reach Python process groups (it warns and changes nothing); from 2.14 it is a deprecated
+  alias of ``dist.set_timeout``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ from tests.harness import World
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAST = {"TPU_DIST_HEARTBEAT_TIMEOUT": "4", "TPU_DIST_TIMEOUT_POLICY": "raise"}
+TORCH_SET_TIMEOUT = hasattr(dist, "set_timeout")
+"""torch 2.14 added ``torch.distributed.set_timeout(timeout, group)``; 2.13 has only the private
+``distributed_c10d._set_pg_timeout``, which reaches gloo and NCCL alone."""
 
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -107,7 +112,8 @@ def _timeouts(rank: int, world_size: int) -> dict:
     dist.all_reduce(t.clone())  # compiled and connected: later calls only wait for the peer
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        # torch's own helper cannot reach a Python process group: it warns, changes nothing.
+        # torch 2.13's own helper cannot reach a Python process group: it warns, changes
+        # nothing. From 2.14 it warns that it is deprecated and calls dist.set_timeout.
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=30), group)
     out["torch_warning"] = [str(w.message) for w in caught]
     out["after_torch_helper"] = group.timeout.total_seconds()
@@ -134,13 +140,63 @@ def test_timeout_changed_after_start_is_honoured() -> None:
                init_kwargs={"timeout": datetime.timedelta(seconds=3)}) as world:
         r0, r1 = world.run(_timeouts)
     for out in (r0, r1):
-        assert out["torch_warning"] == ["Set timeout is now only supported for either nccl or gloo."]
-        assert out["after_torch_helper"] == 3.0
+        if TORCH_SET_TIMEOUT:  # 2.14+: a deprecated alias of dist.set_timeout, which reaches us
+            assert len(out["torch_warning"]) == 1, out["torch_warning"]
+            assert "_set_pg_timeout` is deprecated" in out["torch_warning"][0], out
+            assert out["after_torch_helper"] == 30.0
+        else:
+            assert out["torch_warning"] == [
+                "Set timeout is now only supported for either nccl or gloo."]
+            assert out["after_torch_helper"] == 3.0
         assert out["lengthened"] == 30.0
         # 6 s late under a 3 s start-up timeout: tolerated because the deadline is now 30 s.
         assert out["slow_peer_result"] == [1.0, 3.0, 5.0, 7.0]
     # Rank 1 never joins; with the deadline shortened to 2 s rank 0 gives up at 2 s.
     assert "timed out after 2 s" in r0["late_peer"] and "did not arrive: [1]" in r0["late_peer"]
+
+
+def _shortened_timeout(rank: int, world_size: int) -> dict:
+    """torch's ``dist.set_timeout`` (tpu_dist's ``set_timeout`` where torch has none) shortens
+    the group's 60 s timeout to 2 s; rank 1 never joins the next all_reduce."""
+    from tpu_dist.collectives import set_timeout
+
+    out = {}
+    group = dist.group.WORLD
+    if dist.get_backend(group) == "tpu":
+        # What torch 2.14+ asks a group for, by device (batch_isend_irecv, get_backend_impl).
+        out["own_backend"] = group._get_backend(torch.device("cpu")) is group
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            group.set_timeout(datetime.timedelta(seconds=0))
+    t = torch.arange(4.0) + rank
+    dist.all_reduce(t)  # compiled and connected: the next call only waits for the peer
+    out["first"] = t.tolist()
+    (dist.set_timeout if TORCH_SET_TIMEOUT else set_timeout)(datetime.timedelta(seconds=2), group)
+    if rank == 1:
+        return out
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+        out["error"] = None
+    except RuntimeError as err:  # gloo: DistBackendError or RuntimeError; "tpu": DistBackendError
+        out["error"] = str(err)
+    out["seconds"] = time.monotonic() - start
+    return out
+
+
+@pytest.mark.parametrize("backend", ["tpu", "gloo"])
+def test_torch_set_timeout_shortens_as_on_gloo(backend: str) -> None:
+    with World(2, backend=backend, env=FAST, timeout=150, failure_grace=20,
+               init_kwargs={"timeout": datetime.timedelta(seconds=60)}) as world:
+        r0, r1 = world.run(_shortened_timeout)
+    assert r0["first"] == r1["first"] == [1.0, 3.0, 5.0, 7.0]
+    if backend == "tpu":
+        assert r0["own_backend"] and r1["own_backend"]
+    # The 2 s deadline fired, not the 60 s one the group was created with (loose upper bound:
+    # the machine is loaded; the "tpu" watchdog looks once a heartbeat interval).
+    assert r0["error"] is not None, r0
+    assert 1.9 <= r0["seconds"] < 30, r0
+    if backend == "tpu":
+        assert "timed out after 2 s" in r0["error"] and "did not arrive: [1]" in r0["error"], r0
 
 
 def test_set_timeout_rejects_bad_input() -> None:

@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _checks, _plan
 from tpu_dist.collectives._call_forms import accept_call_forms
 from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._pipeline import GroupPipeline
@@ -180,9 +180,19 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         """The watchdog's deadline for each of this group's collectives issued from now on."""
         return self._timeout
 
-    def _set_default_timeout(self, timeout: timedelta) -> None:
-        """What torch's backends call this; see :func:`tpu_dist.collectives.set_timeout`."""
-        self._timeout = timeout
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Change the watchdog's deadline for this group's collectives issued from now on.
+
+        What torch 2.14+'s ``dist.set_timeout(timeout, group)`` (and its deprecated
+        ``_set_pg_timeout``) call on the group; on any torch,
+        :func:`tpu_dist.collectives.set_timeout` does the same. Collectives already issued
+        keep the deadline they started with. Local to the calling rank.
+
+        Raises:
+            TypeError: ``timeout`` is not a ``datetime.timedelta``.
+            ValueError: ``timeout`` is not positive.
+        """
+        self._timeout = _checks.check_timeout("set_timeout", timeout)
 
     def shutdown(self) -> None:
         """Called by ``destroy_process_group``: the group no longer shares its devices."""

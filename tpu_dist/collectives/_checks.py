@@ -7,6 +7,7 @@ given and what would be accepted; nothing here communicates.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -158,6 +159,18 @@ def check_rank(op_name: str, rank: int, size: int, what: str) -> None:
             f"0..{size - 1}); pass a rank of the group (torch.distributed's functions take "
             "global ranks and translate them)."
         )
+
+
+def check_timeout(op_name: str, timeout: object) -> timedelta:
+    """Check that ``timeout`` is a positive ``datetime.timedelta``; returns it."""
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"{op_name}: timeout must be a datetime.timedelta, got "
+            f"{type(timeout).__name__} ({timeout!r})"
+        )
+    if timeout <= timedelta(0):
+        raise ValueError(f"{op_name}: timeout must be positive, got {timeout}")
+    return timeout
 
 
 def check_splits(

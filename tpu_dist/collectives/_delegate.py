@@ -93,6 +93,31 @@ class DelegatingMixin:
     _store: dist.Store | None
     _delegates: dict[str, Any]
 
+    supports_coalescing = False
+    """torch's ``batch_isend_irecv`` then issues each op on its own, as for gloo: the group
+    matches sends and receives by direction and tag as gloo does (``_p2p.P2PChannels``), so
+    any order of a batch that completes on gloo completes here."""
+
+    def _get_backend(self, device: torch.device | str) -> Any:
+        """The backend that runs this group's collectives on ``device``'s tensors.
+
+        For CPU tensors the group itself: a Python ``ProcessGroup`` is its own backend (torch
+        2.14+ asks the group for it in ``batch_isend_irecv``, ``get_backend_impl`` and
+        ``_abort_process_group``; c10d's own lookup knows only backends registered in C++).
+        For another device type the delegate created for it, else torch's lookup (which
+        raises ``RuntimeError`` naming the device type).
+        """
+        device_type = torch.device(device).type
+        if device_type == "cpu":
+            return self
+        if device_type in self._delegates:
+            return self._delegates[device_type]
+        return super()._get_backend(device)  # type: ignore[misc]
+
+    def get_backend(self, device: torch.device | str) -> Any:
+        """Public name of :meth:`_get_backend` (torch 2.14+)."""
+        return self._get_backend(device)
+
     def _delegate_for(self, device_type: str) -> Any:
         backend = self._delegates.get(device_type)
         if backend is not None:

@@ -1,4 +1,4 @@
-"""Changing a group's timeout after it was created (torch's helper reaches only gloo and NCCL)."""
+"""Changing a group's timeout after it was created, on every torch the package supports."""
 
 from __future__ import annotations
 
@@ -6,14 +6,18 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from tpu_dist.collectives._checks import check_timeout
+
 
 def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> None:
     """Change a group's timeout for its later collectives (the watchdog's deadline).
 
-    torch's ``distributed_c10d._set_pg_timeout`` only reaches gloo and NCCL backends (on a
-    tpu_dist group it warns "Set timeout is now only supported for either nccl or gloo" and
-    changes nothing), so call this instead; on any other group it calls torch's helper.
-    Collectives already issued keep the deadline they started with.
+    On torch 2.14 and later ``torch.distributed.set_timeout(timeout, group)`` does the same on a
+    "tpu" group (it calls :meth:`ProcessGroupTPU.set_timeout`). torch 2.13 has no public
+    ``set_timeout``, and its private ``distributed_c10d._set_pg_timeout`` reaches only gloo and
+    NCCL backends (on a tpu_dist group it warns "Set timeout is now only supported for either
+    nccl or gloo" and changes nothing): there call this. On a group of another backend it calls
+    torch's helper. Collectives already issued keep the deadline they started with.
 
     Local to the calling rank: each rank of the group that should use the new deadline calls
     it (normally all of them, at the same point of the program). Nothing is communicated.
@@ -26,12 +30,7 @@ def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> N
         TypeError: ``timeout`` is not a ``datetime.timedelta``.
         ValueError: ``timeout`` is not positive, or this rank is not in ``group``.
     """
-    if not isinstance(timeout, timedelta):
-        raise TypeError(
-            f"timeout must be a datetime.timedelta, got {type(timeout).__name__} ({timeout!r})"
-        )
-    if timeout <= timedelta(0):
-        raise ValueError(f"timeout must be positive, got {timeout}")
+    check_timeout("set_timeout", timeout)
     from tpu_dist.collectives._backend import ProcessGroupTPU
 
     pg = group if group is not None else dist.group.WORLD
@@ -40,6 +39,8 @@ def set_timeout(timeout: timedelta, group: dist.ProcessGroup | None = None) -> N
     if pg is dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError("set_timeout: this rank is not a member of the group")
     if isinstance(pg, ProcessGroupTPU):
-        pg._set_default_timeout(timeout)
+        pg.set_timeout(timeout)
+    elif hasattr(dist, "set_timeout"):  # torch >= 2.14
+        dist.set_timeout(timeout, pg)
     else:
         dist.distributed_c10d._set_pg_timeout(timeout, pg)

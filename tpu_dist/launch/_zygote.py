@@ -30,7 +30,8 @@ the same in every worker (a fresh interpreter draws its own unless ``PYTHONHASHS
 Python's ``random``, numpy's global generator and torch's default generator are seeded from the
 OS in each worker, as a fresh interpreter seeds them (each rank and each restart draws its own
 numbers). The objects the preload created are frozen (``gc.freeze``: the
-worker's cyclic collector never scans them, see :func:`_freeze`). With
+worker's cyclic collector never scans them, see :func:`_freeze`), but those of
+:data:`AFTER_FREEZE`. With
 ``TPU_DIST_DEFAULT_FOR_CPU=1`` (``--default-for-cpu``), torch's import runs tpu_dist's
 ``torch.backends`` hook, which imports tpu_dist: in the zygote, so its notice that it became the
 default CPU backend is printed once (by the zygote, without a ``[rankN]:`` prefix) instead of
@@ -61,8 +62,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
-    "DTENSOR_PRELOAD", "LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote", "close_fds",
-    "early_differences", "early_usable", "enabled", "end_early", "open_fds",
+    "AFTER_FREEZE", "DTENSOR_PRELOAD", "LATE_VARS", "PRELOAD", "ForkedProcess", "Zygote",
+    "close_fds", "early_differences", "early_usable", "enabled", "end_early", "open_fds",
     "open_standard_fds", "script_preload", "serve_forked",
 ]
 
@@ -94,6 +95,17 @@ their first call. In each worker of such a job they cost ~2 CPU-s; imported once
 instead, ``examples/train_fsdp.py --steps 2`` on 4 ranks took 6.6 s and 7.9 CPU-s instead of 9.4 s
 and 14.3 (docs/decisions/0016-workers-forked-from-a-zygote.md). Other jobs do not import them: a
 plain all_reduce job would start ~0.6 s later with them."""
+
+AFTER_FREEZE = frozenset({"torch._dynamo"})
+"""Modules the zygote imports after it froze the rest (:func:`_freeze`) where triton is
+installed (torch's CUDA builds; :func:`_after_freeze`), leaving their objects to the collector.
+``torch._dynamo`` imports triton, and triton 3.9's nanobind bindings (torch 2.15) check at exit
+that every class they made was freed: a frozen one never is (a class is a reference cycle, and
+no collection looks at frozen objects), so every worker printed ~27 ``nanobind: leaked ...``
+lines at exit (issue 49). Left to the collector, as in a fresh worker, they are freed at exit:
+~72,000 objects, torn down at each worker's exit (~0.25 CPU-s a worker); ~330,000 stay
+frozen, and the start-up the preload saves is kept (docs/decisions/0032-torch-2.14-and-2.15.md).
+Without triton (CPU builds) nothing of theirs checks, and everything is frozen."""
 
 _DTENSOR_USERS = (
     "torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed._composable",
@@ -488,10 +500,20 @@ def _serve(fd: int, launcher: int, also: Sequence[str] = ()) -> list[str]:
     return _preload_and_serve(sock, (*PRELOAD, *also))
 
 
+def _after_freeze(name: str) -> bool:
+    """Whether the zygote imports ``name`` after the freeze (:data:`AFTER_FREEZE`)."""
+    import importlib.util
+
+    return name in AFTER_FREEZE and importlib.util.find_spec("triton") is not None
+
+
 def _preload_and_serve(sock: socket.socket, names: Sequence[str]) -> list[str]:
-    loaded, why = [], None
+    loaded, why, frozen = [], None, False
     gc.disable()  # see _freeze
     for name in names:
+        if not frozen and _after_freeze(name):
+            _freeze()
+            frozen = True
         try:
             __import__(name)
             loaded.append(name)
@@ -506,7 +528,11 @@ def _preload_and_serve(sock: socket.socket, names: Sequence[str]) -> list[str]:
     if why is not None:
         _send(sock, json.dumps({"ok": False, "why": why}).encode())
         os._exit(0)
-    _freeze()
+    if frozen:
+        gc.collect()  # what AFTER_FREEZE's imports left, once; the rest to the oldest generation
+    else:
+        _freeze()
+    gc.enable()
     _send(sock, json.dumps({"ok": True, "loaded": loaded}).encode())
     while True:
         try:
@@ -582,9 +608,9 @@ def _unbuffered_streams() -> None:
 
 
 def _freeze() -> None:
-    """After the preload (imported with the collector off): collect its garbage once, move
-    every object left to the collector's permanent generation (``gc.freeze``) and turn the
-    collector back on.
+    """After the preload (imported with the collector off) but for :data:`AFTER_FREEZE`:
+    collect its garbage once and move every object left to the collector's permanent
+    generation (``gc.freeze``); the caller turns the collector back on.
 
     numpy, torch, ``torch.distributed`` and JAX leave ~230,000 objects. A fresh interpreter's
     collector runs about 500 times while importing them (0.36-0.40 of the ~2.5 CPU-s), and
@@ -594,10 +620,11 @@ def _freeze() -> None:
     4-rank job took 6.7 CPU-s instead of 8.7: decision records 0016 and 0018 in docs/decisions/).
     What differs from a
     fresh worker: a reference cycle among those objects that becomes garbage in the worker is
-    never freed (none of torch's or JAX's module state becomes garbage while in use)."""
+    never freed (none of torch's or JAX's module state becomes garbage while in use), nor at
+    exit: the process ends without tearing them down (a fresh worker spends ~1 CPU-s on that),
+    which is why what checks its objects at exit is left out (:data:`AFTER_FREEZE`)."""
     gc.collect()
     gc.freeze()
-    gc.enable()
 
 
 def _fork_worker(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
