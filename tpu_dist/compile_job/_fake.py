@@ -43,13 +43,14 @@ forces that).
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tpu_dist.compile_job._step import _is_dtensor_type
 
@@ -57,17 +58,28 @@ __all__ = ["LargeTensorsFake"]
 
 _READ_BACK = torch.ops.aten._local_scalar_dense.default
 """The op behind ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``."""
+_DETACH = torch.ops.aten.detach.default
+"""The op that makes ``nn.Parameter(t)`` of a tensor subclass (a fake tensor)."""
 
 
 class LargeTensorsFake(TorchDispatchMode):
     """A dispatch mode in which large tensors are fake (module doc). Use as a context manager
     around the script's run, on the thread that runs it."""
 
-    def __init__(self, min_elements: int = 1 << 16, *, lazy_fsdp_chunks: bool = True) -> None:
+    def __init__(
+        self,
+        min_elements: int = 1 << 16,
+        *,
+        lazy_fsdp_chunks: bool = True,
+        fake_device_types: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         self.min_elements = min_elements
         self.lazy_fsdp_chunks = lazy_fsdp_chunks
         """Make FSDP2's per-rank chunks lazily while the mode is active (module docstring)."""
+        self.fake_device_types = frozenset(fake_device_types)
+        """Device types whose every tensor is fake, whatever its size (the emulated ``"tpu"``
+        device: no memory holds its tensors, :mod:`._tpu_device`)."""
         self._restore: Callable[[], None] | None = None
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.faked = 0
@@ -105,8 +117,19 @@ class LargeTensorsFake(TorchDispatchMode):
                 return _placeholder(tensors[0].dtype)
             with self.fake:
                 out = func(*args, **kwargs)
-            if func.namespace == "_c10d_functional":
+            if func is _DETACH:
+                _unmemoise(self.fake, out)
+            elif func.namespace == "_c10d_functional":
                 _issue(func, args, out)
+            return out
+        if self.fake_device_types and _places_on(args, kwargs, self.fake_device_types):
+            # An op of real inputs that puts its result on the emulated device (a factory with
+            # device="tpu", t.to("tpu")): every input made fake first, since FakeTensorMode runs
+            # an op of real inputs for real, which the device cannot.
+            args, kwargs = tree_map_only(torch.Tensor, self._as_fake, (args, kwargs))
+            with self.fake:
+                out = func(*args, **kwargs)
+            self.faked += 1
             return out
         if not tensors:  # a factory: fake if large
             with self.fake:
@@ -116,6 +139,35 @@ class LargeTensorsFake(TorchDispatchMode):
                 self.faked += len(outputs)
                 return shaped
         return func(*args, **kwargs)
+
+
+    def _as_fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if isinstance(tensor, FakeTensor) else self.fake.from_tensor(tensor)
+
+
+def _unmemoise(mode: FakeTensorMode, out: Any) -> None:
+    """Drop the weak reference torch's fake mode keeps to every fake op output (its converter
+    memoises the output under the fresh meta tensor it wraps, which nothing looks up again),
+    for a detached fake tensor: ``nn.Parameter`` is one, and ``Module.to()`` / ``_apply`` swap
+    fake parameters with ``torch.utils.swap_tensors``, which refuses a tensor with a weak
+    reference (torch 2.13: ``nn.Linear(4, 4).to("cpu")`` fails under a plain
+    ``FakeTensorMode``). So ``model.to(device)`` works on a model with fake parameters."""
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+    for ref in weakref.getweakrefs(out):
+        key = getattr(ref, "key", None)
+        if key is not None and memo.get(key) is out:
+            del memo[key]
+
+
+def _places_on(args: tuple, kwargs: dict, device_types: frozenset[str]) -> bool:
+    """Whether an op's tensors or device arguments are on one of ``device_types``."""
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device.type in device_types:
+                return True
+        elif isinstance(leaf, torch.device) and leaf.type in device_types:
+            return True
+    return False
 
 
 def _issue(func: Any, args: tuple, out: Any) -> None:

@@ -174,8 +174,20 @@ def _origin() -> str:
 
 
 def _user_call_site() -> CallSite | None:
-    """The innermost frame outside tpu_dist, torch and the standard library."""
-    for frame in reversed(traceback.extract_stack()):
+    """The innermost frame outside tpu_dist, torch and the standard library; on a thread with
+    none, the main thread's (the script's). Autograd runs the backward of a non-CPU device's
+    tensors (the emulated ``"tpu"``'s) on a thread of its own, while the main thread waits in
+    the script's ``loss.backward()``: that line is the call site, as on CPU tensors."""
+    found = _innermost_user_frame(traceback.extract_stack())
+    if found is None and threading.current_thread() is not threading.main_thread():
+        main = sys._current_frames().get(threading.main_thread().ident)
+        if main is not None:
+            found = _innermost_user_frame(traceback.extract_stack(main))
+    return found
+
+
+def _innermost_user_frame(stack: traceback.StackSummary) -> CallSite | None:
+    for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
         if path.startswith(_OWN_CODE) or "/lib/python" in path or frame.filename.startswith("<"):
             continue
@@ -204,8 +216,13 @@ class RecordingPipeline:
     (:class:`~tpu_dist.compile_job.Session`); the plans it gets are the backend's own.
     """
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, *, tensor_device_types: tuple[str, ...] = ("cpu",)
+                 ) -> None:
         self._recorder = recorder
+        self.tensor_device_types = tensor_device_types
+        """The device types of the tensors the group takes (the backend's group reads it): the
+        CPU, and the emulated ``"tpu"`` device when the run emulates it (its tensors are fake:
+        nothing is moved)."""
 
     def run(self, group: GroupView, plan: Plan, timeout: timedelta, async_op: bool) -> TPUWork:
         """Record ``plan``'s program and complete at once with fake results (module doc)."""

@@ -84,11 +84,20 @@ def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *ar
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _fused_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
+                              out_shape: Any = None, **kwargs: Any) -> int:
+    return sdpa_backward_flop_count(grad_out, query, key, value)
+
+
 _CPU_ATTENTION = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+    _aten._scaled_dot_product_fused_attention_overrideable: _cpu_attention,
+    _aten._scaled_dot_product_fused_attention_overrideable_backward: _fused_attention_backward,
 }
-"""torch's attention formulas for the CPU kernel they are not registered for (torch 2.13)."""
+"""torch's attention formulas for the kernels they are not registered for (torch 2.13): the
+CPU's flash kernel, and the fused kernel of a PrivateUse1 device (the emulated ``"tpu"``'s,
+:mod:`._tpu_device`), the same count."""
 
 
 class _Guard:
@@ -220,31 +229,51 @@ class _DTensorTokens(TorchDispatchMode):
         return out
 
 
-def _peak_tracker(guard: _Guard) -> Any:
+def _peak_tracker(guard: _Guard, device_type: str | None = None) -> Any:
     """A :class:`MemTracker` whose peak can be restarted at a step's start, its dispatch and
-    hooks under ``guard`` (None if torch's tracker is missing)."""
+    hooks under ``guard`` (None if torch's tracker is missing). With ``device_type`` (the
+    emulated ``"tpu"``), the device's memory is the bytes on devices of that type whenever the
+    script put any there (host tensors are not HBM then), else every device's."""
     try:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
     except ImportError:  # pragma: no cover - torch without the tracker
         return None
 
     class _PeakTracker(MemTracker):
+        device_peak = 0
+        """The device's bytes at their peak since :meth:`restart_device_peak`."""
+
         def restart_peak(self) -> None:
             """The peak from now on (what ``__enter__`` does)."""
             snap = self.get_tracker_snapshot("current")
             self._peak_mem_snap = snap
             self._peak_mem = {dev: s[_TOTAL_KEY] for dev, s in snap.items()}
 
+        def _device_snaps(self, snaps: dict) -> list[dict]:
+            """The snapshots that count as the device's (class doc)."""
+            if device_type is not None:
+                mine = [s for dev, s in snaps.items() if dev.type == device_type]
+                if any(s[_TOTAL_KEY] for s in mine):
+                    return mine
+            return list(snaps.values())
+
         def peak(self) -> tuple[int, dict[str, int]]:
-            """Peak bytes over every device since :meth:`restart_peak`, and what they held."""
+            """Peak bytes on the device since :meth:`restart_peak`, and what they held."""
             total, kinds = 0, {}
-            for dev_snap in self._peak_mem_snap.values():
+            for dev_snap in self._device_snaps(self._peak_mem_snap):
                 total += dev_snap[_TOTAL_KEY]
                 for k, v in dev_snap.items():
                     if k != _TOTAL_KEY and v:
                         name = getattr(k, "value", str(k))
                         kinds[name] = kinds.get(name, 0) + v
             return total, kinds
+
+        def device_bytes(self) -> int:
+            """The device's bytes now."""
+            return sum(s[_TOTAL_KEY] for s in self._device_snaps(self._curr_mem_snap))
+
+        def restart_device_peak(self) -> None:
+            self.device_peak = self.device_bytes()
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             # The overall peak only: MemTracker's per-module peaks look at every module on
@@ -253,6 +282,8 @@ def _peak_tracker(guard: _Guard) -> Any:
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = deepcopy(dev_snap)
+            if device_type is not None:
+                self.device_peak = max(self.device_peak, self.device_bytes())
 
         def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
             def run() -> None:
@@ -324,12 +355,16 @@ class StepMeter:
         recorder: The session's recorder; its :attr:`~._recording.Recorder.step` is advanced
             at each step's end.
         track_memory: Track tensor bytes with MemTracker (default True).
+        device_type: The device whose bytes are the step's memory when the script puts
+            tensors on it (the emulated ``"tpu"``: host tensors are then not counted); None:
+            every device's (a script on CPU tensors, which stand for the device's).
         measure: How many steps to measure (default 2: the first may build lazily what the
             others reuse); the later ones are only counted.
     """
 
     def __init__(
-        self, recorder: Recorder | None = None, *, track_memory: bool = True, measure: int = 2
+        self, recorder: Recorder | None = None, *, track_memory: bool = True, measure: int = 2,
+        device_type: str | None = None,
     ) -> None:
         self.recorder = recorder
         self.steps: list[StepRecord] = []
@@ -340,7 +375,7 @@ class StepMeter:
         self._guard = _Guard()
         self._flops = _LocalFlops(self._guard)
         self._tokens = _DTensorTokens(self._flops)
-        self._memory = _peak_tracker(self._guard) if track_memory else None
+        self._memory = _peak_tracker(self._guard, device_type) if track_memory else None
         self._hooks: list[Any] = []
         self._flops_at_start = 0
         self._forward_flops_at_start = 0
@@ -413,6 +448,19 @@ class StepMeter:
             # The next forward of the root module is a new step, not the error MemTracker
             # raises for a module run twice.
             self._memory.reset_mod_stats()
+
+    def device_memory(self) -> tuple[int, int]:
+        """The tensor bytes on the device now and at their peak since
+        :meth:`restart_device_peak` (0, 0 without memory tracking): what the emulated
+        ``torch.tpu.memory_stats()`` reports. Frozen once the measured steps are done."""
+        if self._memory is None:
+            return 0, 0
+        return self._memory.device_bytes(), self._memory.device_peak
+
+    def restart_device_peak(self) -> None:
+        """The peak of :meth:`device_memory` from now on (``reset_peak_memory_stats``)."""
+        if self._memory is not None:
+            self._memory.restart_device_peak()
 
     def chosen(self) -> StepRecord | None:
         """The step the report describes: the last one measured (None: no optimizer step, or

@@ -26,6 +26,7 @@ before the script runs: that message is then the only error).
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import subprocess
 import sys
@@ -68,8 +69,12 @@ def run_compile_only(
     rank: int,
     report: str | None,
     tensors: str = "fake",
+    tpu_device: str = "emulate",
 ) -> int:
     """Run the compile-only process for ``spec`` as global ``rank``; returns the exit code.
+
+    ``tpu_device``: ``"emulate"`` gives the script TorchTPU's ``"tpu"`` device
+    (:mod:`tpu_dist.compile_job._tpu_device`), ``"none"`` does not.
 
     Raises:
         ValueError: not an emulated topology, a non-Python entry point, or a rank outside the
@@ -94,12 +99,21 @@ def run_compile_only(
         # writing them costs time and every later read warns.
         JAX_ENABLE_COMPILATION_CACHE="false",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
+        # A gloo backend named first in a per-device config ("cpu:gloo,tpu:tpu") would wait for
+        # the world's absent ranks when created; lazily it never connects (the recording group,
+        # named next, serves the group).
+        TORCH_GLOO_LAZY_INIT=env.get("TORCH_GLOO_LAZY_INIT", "1"),
     )
+    if tpu_device == "emulate" and importlib.util.find_spec("torch_tpu") is not None:
+        # TorchTPU loads inside `import torch` on a TPU host; the job emulates its device.
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     entry = spec.entry
     mode = "module" if entry.kind == "module" else "python"
     args = ["--report", os.path.abspath(report)] if report else []
     if tensors == "real":
         args += ["--real-tensors"]
+    if tpu_device != "emulate":
+        args += ["--no-tpu-device"]
     args += [mode, entry.target, *entry.args]
     if _in_process_ok(entry.python, env, environ):
         _become_the_job(env)
@@ -112,13 +126,15 @@ _LATE_VARS = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
     "TORCHELASTIC_RESTART_COUNT", "ALLOW_MULTIPLE_LIBTPU_LOAD", _settings.COMPILE_ONLY.env,
     "JAX_ENABLE_COMPILATION_CACHE", "JAX_PLATFORMS", "OMP_NUM_THREADS", "GLIBC_TUNABLES",
+    "TORCH_GLOO_LAZY_INIT",
     _settings.TOPOLOGY.env, _settings.NUM_SLICES.env, _settings.PLATFORM.env,
 })
 """What the compile-only job's environment may set differently from the launcher's for the
 launcher to run it itself: read after start-up (elastic's rank variables, tpu_dist's topology
 and platform, JAX's and libtpu's, read when JAX is first imported, after this), applied by
 hand (``OMP_NUM_THREADS``) or without effect here (``GLIBC_TUNABLES``, read only when a
-process starts, tunes the allocator for large real buffers: compile-only moves no data)."""
+process starts, tunes the allocator for large real buffers: compile-only moves no data), or read
+when a gloo backend is made (``TORCH_GLOO_LAZY_INIT``)."""
 
 
 def _in_process_ok(python: str, env: Mapping[str, str], environ: Mapping[str, str]) -> bool:
@@ -198,11 +214,13 @@ def _run_script(mode: str, target: str, args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """``python -m tpu_dist.launch._compile_only [--report FILE] {python|module} TARGET ARGS...``"""
     argv = list(sys.argv[1:] if argv is None else argv)
-    report_path, real_tensors = None, False
+    report_path, real_tensors, tpu_device = None, False, True
     if argv[:1] == ["--report"]:
         report_path, argv = argv[1], argv[2:]
     if argv[:1] == ["--real-tensors"]:
         real_tensors, argv = True, argv[1:]
+    if argv[:1] == ["--no-tpu-device"]:
+        tpu_device, argv = False, argv[1:]
     if len(argv) < 2 or argv[0] not in ("python", "module"):
         print(__doc__, file=sys.stderr)
         return 2
@@ -223,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         session.start_compiler(current_topology(world))
         session.world(world)
+        if tpu_device:
+            session.emulate_tpu_device(rank)
     except (RuntimeError, ValueError) as err:
         session.stop_compiler()
         print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
@@ -237,20 +257,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     store = _serve_store()
     started = time.monotonic()
-    if real_tensors:
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    emulated = ("tpu",) if tpu_device else ()
+    if real_tensors and not emulated:
         with session.measure_steps():
             code = _run_script(mode, target, args)
     else:
-        from tpu_dist.compile_job import LargeTensorsFake
-
-        with LargeTensorsFake() as fake, session.measure_steps():
+        # Tensors on the emulated device are fake whatever their size (no memory holds them);
+        # with --tensors real only those.
+        threshold = sys.maxsize if real_tensors else 1 << 16
+        with LargeTensorsFake(threshold, fake_device_types=emulated) as fake, \
+                session.measure_steps():
             code = _run_script(mode, target, args)
         print(
-            f"tpu-launch --compile-only: ran with fake tensors ({fake.faked} made fake, "
-            f"{fake.placeholders} value(s) read back as 0)",
+            f"tpu-launch --compile-only: ran with {'real' if real_tensors else 'fake'} tensors "
+            f"({fake.faked} made fake, {fake.placeholders} value(s) read back as 0)",
             file=sys.stderr,
         )
-        if code:
+        if code and not real_tensors:
             print(
                 "tpu-launch --compile-only: the script failed with fake tensors (large tensors "
                 "hold no data in this mode; the error is above). If it needs real values, run "
