@@ -156,6 +156,76 @@ def test_dtensor_ops_count_once_on_the_local_shard() -> None:
         dist.destroy_process_group()
 
 
+def _flex_step(mask_mod, *, fake_mask: bool, monkeypatch) -> tuple[StepRecord, str | None]:
+    """One step of FlexAttention (forward and backward) over fake q = k = v of batch 1, 4
+    heads of 64, sequence 1,024, under the meter, with a block mask built from real tensors
+    (its block counts hold values) or, with ``fake_mask``, from fake ones."""
+    from torch.nn.attention import flex_attention as fa
+
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    # torch refuses FlexAttention's backward on CPU tensors; fake ones compute nothing.
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with LargeTensorsFake(fake_device_types=("cpu",) if fake_mask else ()) as fake, \
+            StepMeter(track_memory=False) as meter:
+        q = torch.randn(1, 4, 1024, 64, requires_grad=True)  # 262,144 elements: fake
+        mask = fa.create_block_mask(mask_mod, 1, None, 1024, 1024, device="cpu")
+        assert isinstance(mask.kv_num_blocks, type(q)) is fake_mask
+        fa.flex_attention(q, q, q, block_mask=mask).sum().backward()
+        optimizer.step()
+    assert fake.faked > 0
+    return meter.steps[-1], meter.error
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _window_of_128(b, h, q, kv):
+    return (q >= kv) & (q - kv < 128)
+
+
+@pytest.mark.parametrize("mask_mod, fake_mask, blocks", [
+    (_causal, False, 36),
+    (_window_of_128, False, 15),
+    (_window_of_128, True, 36),
+])
+def test_flex_attention_counts_the_blocks_its_mask_computes(mask_mod, fake_mask: bool,
+                                                            blocks: int, monkeypatch) -> None:
+    """FlexAttention (TorchTitan's attention: a higher-order op and its backward, which every
+    mode of the meter must take) counts the (q block, kv block) pairs its block mask computes.
+    Sequence 1,024 in blocks of 128: 8 x 8 pairs. Dense, torch's attention count: forward two
+    matmuls of 2 x 4 heads x 1,024 x 1,024 x 64 = 536,870,912 each, 1,073,741,824; backward
+    five, 2,684,354,560. A causal mask computes 8 x 9 / 2 = 36 pairs (read from the mask's
+    block counts); a window of the last 128 keys 1 + 2 x 7 = 15 (the diagonal block and the
+    one before). A mask built on fake tensors has no values: counted as causal, 36. Model
+    FLOPs (MFU's numerator) are 3 x the dense forward whatever the mask: 3,221,225,472."""
+    record, error = _flex_step(mask_mod, fake_mask=fake_mask, monkeypatch=monkeypatch)
+    assert error is None
+    dense = 1_073_741_824 + 2_684_354_560
+    assert record.flops == 1_073_741_824 * blocks // 64 + 2_684_354_560 * blocks // 64
+    assert record.flops == pytest.approx(dense * blocks / 64)
+    assert record.model_flops == 3 * 1_073_741_824
+
+
+def test_the_causal_block_fraction_is_the_one_flex_attention_builds() -> None:
+    """The causal assumption for fake masks against the block counts FlexAttention builds for
+    a causal mask on real tensors, for square and non-square lengths and block sizes."""
+    from torch.nn.attention import flex_attention as fa
+
+    from tpu_dist.compile_job._op_costs import causal_block_fraction, computed_block_fraction
+
+    for q_len, kv_len, block in [(1024, 1024, 128), (1000, 1000, 128), (256, 1024, 128),
+                                 (512, 512, 64), (384, 384, (128, 64))]:
+        mask = fa.create_block_mask(_causal, 1, None, q_len, kv_len, device="cpu",
+                                    BLOCK_SIZE=block)
+        q_block, kv_block = (block, block) if isinstance(block, int) else block
+        assert computed_block_fraction(mask.as_tuple()) == pytest.approx(
+            causal_block_fraction(q_len, kv_len, q_block, kv_block)), (q_len, kv_len, block)
+
+
 def _row(op: str, origin: str, est: float | None, temp: int) -> CompiledCall:
     return CompiledCall(
         op=op, reduce_op=None, group_size=4, mesh_dim="dp" if origin == "fsdp" else "tp",

@@ -64,7 +64,10 @@ _DETACH = torch.ops.aten.detach.default
 
 class LargeTensorsFake(TorchDispatchMode):
     """A dispatch mode in which large tensors are fake (module doc). Use as a context manager
-    around the script's run, on the thread that runs it."""
+    around the script's run, on the thread that runs it. Higher-order ops (FlexAttention's)
+    follow the same rules as any op (torch's fake mode has their fake kernels)."""
+
+    supports_higher_order_operators = True
 
     def __init__(
         self,

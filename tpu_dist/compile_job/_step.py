@@ -5,20 +5,22 @@ fake tensors and costs no memory) and cuts it into steps: **a step ends when an 
 ``step()`` returns** (torch's global optimizer hook), and the next begins there. Per step it
 keeps:
 
-* **FLOPs**, counted with torch's :class:`~torch.utils.flop_counter.FlopCounterMode` on the ops
-  this rank runs. A DTensor op is counted once, on its local shards: the counter's dispatch
-  mode passes DTensor ops on to DTensor (as torch's ``MemTracker`` does) and counts the local
-  ops DTensor then runs, so the count is per device, not the global op's; the global op that
-  DTensor's sharding propagation runs under a fake mode of its own (to learn the output's
-  shape) is not counted either (MemTracker's rule: only ops under the fake mode that was
-  active when counting began). Without both, a sharded matmul counts 5x its shard's FLOPs on
-  4 ranks (measured, ``tests/test_step_report.py``). CPU attention
-  (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what the script runs on the
-  host) is counted with torch's own attention formulas, which it lacks for that kernel: the
-  forward's two ``s x s`` matmuls over the whole square (no causal discount, as TorchTitan
-  counts) and a backward of five (it recomputes the scores, as flash attention does on a TPU),
-  so attention counts 7/6 of TorchTitan's analytic ``12 L H d_h s``. With activation
-  checkpointing the recomputed forward is counted too: these are the FLOPs the device executes.
+* **FLOPs**, counted on the ops this rank runs, each priced by :func:`~._op_costs.op_cost`
+  (torch's FLOP formulas and the attention kernels it lacks; the step meter's per-op
+  accounting, in one place). A DTensor op is counted once, on its local shards: the counter's
+  dispatch mode passes DTensor ops on to DTensor (as torch's ``MemTracker`` does) and counts the
+  local ops DTensor then runs, so the count is per device, not the global op's; the global op
+  that DTensor's sharding propagation runs under a fake mode of its own (to learn the output's
+  shape) is not counted either (MemTracker's rule: only ops under the fake mode that was active
+  when counting began). Without both, a sharded matmul counts 5x its shard's FLOPs on 4 ranks
+  (measured, ``tests/test_step_report.py``). Attention kernels (the CPU's flash kernel, the
+  emulated ``"tpu"``'s fused one) count the forward's two ``s x s`` matmuls over the whole
+  square (no causal discount, as TorchTitan counts) and a backward of five (it recomputes the
+  scores, as flash attention does on a TPU), so attention counts 7/6 of TorchTitan's analytic
+  ``12 L H d_h s``; FlexAttention (a higher-order op, which every mode of the meter takes)
+  counts the blocks its block mask computes (a causal mask's when the mask's values are fake:
+  :mod:`._op_costs`). With activation checkpointing the recomputed forward is counted too:
+  these are the FLOPs the device executes.
 * **Tokens**: the token ids that go through the step's embedding lookups (``aten.embedding``),
   over the ranks that share them: a DTensor input replicated over a mesh (tensor parallelism's
   embedding) counts ``1 / mesh size`` per rank, TorchTitan's tokens per device.
@@ -54,15 +56,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import (
-    FlopCounterMode,
-    _FlopCounterMode,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
+from torch._ops import HigherOrderOperator
 
 from tpu_dist.compile_job._compile import _human_bytes, _human_seconds
 from tpu_dist.compile_job._estimate import StepEstimate, step_estimate
+from tpu_dist.compile_job._op_costs import OpCost, has_formula, op_cost
 
 if TYPE_CHECKING:
     from tpu_dist.compile_job._compile import CompiledCall, CompileReport
@@ -72,32 +70,6 @@ if TYPE_CHECKING:
 __all__ = ["StepMeter", "StepRecord", "StepReport", "step_report", "write_step_picture"]
 
 _aten = torch.ops.aten
-
-
-def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
-                   **kwargs: Any) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
-                            out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-def _fused_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
-                              out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-_CPU_ATTENTION = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
-    _aten._scaled_dot_product_fused_attention_overrideable: _cpu_attention,
-    _aten._scaled_dot_product_fused_attention_overrideable_backward: _fused_attention_backward,
-}
-"""torch's attention formulas for the kernels they are not registered for (torch 2.13): the
-CPU's flash kernel, and the fused kernel of a PrivateUse1 device (the emulated ``"tpu"``'s,
-:mod:`._tpu_device`), the same count."""
 
 
 class _Guard:
@@ -143,12 +115,18 @@ def _is_dtensor_type(t: type) -> bool:
     return issubclass(t, DTensor)
 
 
-class _LocalOpsMode(_FlopCounterMode):
-    """The counter's dispatch mode, leaving DTensor ops to DTensor and counting the local ops
-    it runs (each op once, per device: module docstring)."""
+class _LocalOpsMode(TorchDispatchMode):
+    """The counter's dispatch mode: leaves DTensor ops to DTensor and counts, with
+    :func:`~._op_costs.op_cost`, the local ops it runs (each op once, per device: module
+    docstring). Higher-order ops (FlexAttention's) are counted as one op. An op with no FLOP
+    formula is decomposed, where it can be, into ops that have one (as torch's
+    ``FlopCounterMode`` does)."""
 
-    def __init__(self, counter: _LocalFlops) -> None:
-        super().__init__(counter)
+    supports_higher_order_operators = True
+
+    def __init__(self, counter: _OpCounter) -> None:
+        super().__init__()
+        self.counter = counter
         self.guard = counter.guard
         # As MemTracker does: DTensor's sharding propagation runs the global op under a fake
         # mode of its own to learn the output's shape; that run is not the device's work.
@@ -160,36 +138,44 @@ class _LocalOpsMode(_FlopCounterMode):
             return NotImplemented
         if active_fake_mode() is not self._fake_mode_on_entry:
             return func(*args, **(kwargs or {}))
-        return self.guard.dispatch(lambda: self._count(func, types, args, kwargs), func, args,
+        return self.guard.dispatch(lambda: self._count(func, args, kwargs or {}), func, args,
                                    kwargs)
 
-    def _count(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _aten.embedding.default:
-            self.counter.token_ids += args[1].numel()
+    def _count(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if (not isinstance(func, HigherOrderOperator) and not has_formula(func)
+                and func is not torch.ops.prim.device.default):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        self.counter.add(op_cost(func, args, kwargs, out))
         return out
 
 
-class _LocalFlops(FlopCounterMode):
-    """:class:`FlopCounterMode` over local ops only, everything under ``"Global"`` (no module
-    hierarchy: its module hooks cost time at every forward and are not needed here)."""
+class _OpCounter:
+    """The step's op costs summed (:class:`~._op_costs.OpCost`), its mode on torch's mode
+    stack while entered."""
 
     def __init__(self, guard: _Guard) -> None:
-        super().__init__(display=False, custom_mapping=_CPU_ATTENTION)
         self.guard = guard
+        self.flops = 0
+        """FLOPs run (every op, recomputation included)."""
         self.token_ids = 0.0
         """Token ids looked up, each counted over the ranks that share it (module doc)."""
         self.forward_flops = 0
-        """The FLOPs of ops run outside autograd's backward (the forward pass; a recomputed
-        forward under activation checkpointing runs inside the backward and is not here)."""
+        """The model FLOPs of ops run outside autograd's backward (the forward pass; a
+        recomputed forward under activation checkpointing runs inside the backward and is not
+        here)."""
+        self.mode: _LocalOpsMode | None = None
 
-    def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: dict) -> Any:
-        if func_packet in self.flop_registry and torch._C._current_autograd_node() is None:
-            self.forward_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
-        return super()._count_flops(func_packet, out, args, kwargs)
+    def add(self, cost: OpCost) -> None:
+        self.flops += cost.flops
+        self.token_ids += cost.token_ids
+        if cost.model_flops and torch._C._current_autograd_node() is None:
+            self.forward_flops += cost.model_flops
 
-    def __enter__(self) -> _LocalFlops:
-        self.flop_counts.clear()
+    def __enter__(self) -> _OpCounter:
         self.mode = _LocalOpsMode(self)
         self.mode.__enter__()
         return self
@@ -204,7 +190,9 @@ class _DTensorTokens(TorchDispatchMode):
     share its token ids (a Replicate input over a mesh of n ranks: n); the local lookup then
     counts ``ids / n`` (:class:`_LocalOpsMode`)."""
 
-    def __init__(self, counter: _LocalFlops) -> None:
+    supports_higher_order_operators = True
+
+    def __init__(self, counter: _OpCounter) -> None:
         super().__init__()
         self.counter = counter
 
@@ -229,6 +217,30 @@ class _DTensorTokens(TorchDispatchMode):
         return out
 
 
+def _run_flex_attention_eagerly() -> Any:
+    """Let FlexAttention run under the meter's modes; returns what undoes it.
+
+    Eager ``flex_attention`` compiles its higher-order op with ``torch.compile(...,
+    fullgraph=True)``, and Dynamo traces nothing while a dispatch mode of this kind is active
+    ("non-infra torch dispatch mode present"): the call fails ("found no compiled frames").
+    With torch's ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` the op is called directly, through
+    the modes, which count it (its debug switch: the values of a compile-only run are not
+    meaningful anyway)."""
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return None
+    before = getattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+    if before is None or before:
+        return None
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+
+    def restore() -> None:
+        flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+
+    return restore
+
+
 def _peak_tracker(guard: _Guard, device_type: str | None = None) -> Any:
     """A :class:`MemTracker` whose peak can be restarted at a step's start, its dispatch and
     hooks under ``guard`` (None if torch's tracker is missing). With ``device_type`` (the
@@ -240,6 +252,7 @@ def _peak_tracker(guard: _Guard, device_type: str | None = None) -> Any:
         return None
 
     class _PeakTracker(MemTracker):
+        supports_higher_order_operators = True  # FlexAttention's ops: tracked like any other
         device_peak = 0
         """The device's bytes at their peak since :meth:`restart_device_peak`."""
 
@@ -373,7 +386,7 @@ class StepMeter:
         """Steps the script completed (measured or not)."""
         self._measure = measure
         self._guard = _Guard()
-        self._flops = _LocalFlops(self._guard)
+        self._flops = _OpCounter(self._guard)
         self._tokens = _DTensorTokens(self._flops)
         self._memory = _peak_tracker(self._guard, device_type) if track_memory else None
         self._hooks: list[Any] = []
@@ -381,6 +394,7 @@ class StepMeter:
         self._forward_flops_at_start = 0
         self._tokens_at_start = 0.0
         self._fresh = True  # no module forward yet in this step
+        self._flex_eager: Any = None
 
     def __enter__(self) -> StepMeter:
         from torch.nn.modules.module import register_module_forward_pre_hook
@@ -396,12 +410,16 @@ class StepMeter:
             register_optimizer_step_post_hook(self._step_done),
             register_module_forward_pre_hook(self._forward),
         ]
+        self._flex_eager = _run_flex_attention_eagerly()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        restore, self._flex_eager = self._flex_eager, None
+        if restore is not None:
+            restore()
         self._tokens.__exit__(*exc)
         if self._memory is not None:
             self._memory.__exit__(*exc)
@@ -432,7 +450,7 @@ class StepMeter:
             self._guard.done = True  # from here on every mode and hook passes through
 
     def _step_done_body(self) -> None:
-        flops = self._flops.get_total_flops()
+        flops = self._flops.flops
         forward = self._flops.forward_flops
         tokens = self._flops.token_ids
         peak, kinds = self._memory.peak() if self._memory is not None else (None, {})
@@ -586,9 +604,10 @@ class StepReport:
 
 
 STEP_RULES = (
-    "flops: FlopCounterMode on this rank's local ops (DTensor ops once, on their shards; "
-    "attention without causal discount, backward recomputing the scores; recomputation under "
-    "activation checkpointing included); compute_seconds: flops at the device's peak bf16 "
+    "flops: torch's FLOP formulas on this rank's local ops (DTensor ops once, on their shards; "
+    "attention without causal discount, backward recomputing the scores; FlexAttention over "
+    "the blocks its block mask computes, a causal mask's when its values are fake; "
+    "recomputation under activation checkpointing included); compute_seconds: flops at the device's peak bf16 "
     "rate; collectives: each call's est_seconds, FSDP's and DDP's overlappable (hidden up to "
     "compute_seconds), DTensor's (tensor parallelism) and the script's own on the critical "
     "path; step_seconds = compute + exposed, a lower bound; mfu_bound = model_flops / "

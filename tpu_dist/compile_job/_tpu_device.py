@@ -507,6 +507,29 @@ def _fused_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
         query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
 
 
+def _allow_flex_attention() -> None:
+    """FlexAttention on ``"tpu"`` tensors, as TorchTPU 0.2.0 allows it: torch 2.13's
+    ``flex_attention`` refuses devices other than CUDA, CPU, XPU, HPU and MPS
+    (``_validate_device``), and TorchTPU's loader wraps that check to let ``"tpu"`` through
+    (``torch_tpu/_internal/compile/__init__.py``). The emulation does the same, and no more:
+    TorchTPU also reroutes a call with no score_mod and no auxiliary output to
+    ``scaled_dot_product_attention`` with the mask made dense (a ``(B, H, S, S)`` bias), which
+    its compiler may turn back into a causal kernel; here FlexAttention stays the block-sparse
+    higher-order op the step meter counts (:mod:`._op_costs`)."""
+    from torch.nn.attention import flex_attention
+
+    check = flex_attention._validate_device
+    if getattr(check, "_tpu_dist_allows", False):
+        return
+
+    def validate_device(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        if query.device.type != DEVICE_TYPE:
+            check(query, key, value)
+
+    validate_device._tpu_dist_allows = True  # type: ignore[attr-defined]
+    flex_attention._validate_device = validate_device
+
+
 def installed() -> EmulatedTpu | None:
     """The emulated device of this process, if :func:`install` ran (else None: also when the
     ``"tpu"`` device is TorchTPU's own)."""
@@ -543,6 +566,7 @@ def install(emulation: EmulatedTpu, backend_name: str) -> None:
     torch._C._acc.register_python_privateuseone_device_guard(_Guard())
     sys.modules[f"torch.{DEVICE_TYPE}"] = emulation.module
     sys.meta_path.insert(0, _NoTorchTpu())
+    _allow_flex_attention()
     # Attention as TorchTPU's kernel runs it (above autograd: the fused op records its own
     # backward); the library must live as long as the process.
     emulation.kernels = torch.library.Library("aten", "IMPL")
