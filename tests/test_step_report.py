@@ -126,11 +126,20 @@ def test_only_the_first_two_steps_are_measured(own_mode: bool) -> None:
     assert len(_get_current_dispatch_mode_stack()) == 0
 
 
+class _LocalLookup(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = self.weight.to_local()
+        return F.embedding((ids - 25).clamp(0, local.shape[0] - 1), local)
+
+
 def test_dtensor_ops_count_once_on_the_local_shard() -> None:
     """A (64 x 32) @ (32 x 16) matmul with the left operand split in 4 rows blocks over a
     4-rank mesh: each rank multiplies 16 x 32 by 32 x 16, 2 x 16 x 32 x 16 = 16,384 FLOPs (the
     global op is 65,536: counting it too would give 81,920). An embedding lookup of 40 token ids
-    replicated over the 4 ranks credits each rank 10 tokens."""
+    replicated over the 4 ranks credits each rank 10 tokens, as do 40 plain ids (which DTensor
+    replicates over the table's mesh) in a second step, and 40 ids looked up on plain tensors by
+    an nn.Embedding whose table is sharded over the 4 ranks in a third; a fourth looks up 40
+    ids in an FSDP-sharded table (gathered first: data parallelism does not share ids): 40."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -144,13 +153,32 @@ def test_dtensor_ops_count_once_on_the_local_shard() -> None:
         weight = distribute_tensor(torch.randn(100, 8), mesh, [Replicate()])
         ids = distribute_tensor(torch.randint(0, 100, (4, 10)), mesh, [Replicate()])
         done = torch.optim.SGD([nn.Parameter(torch.zeros(1))])
-        with StepMeter(track_memory=False) as meter:
+        with StepMeter(track_memory=False, measure=4) as meter:
             a @ b
             F.embedding(ids, weight)
             done.step()
-        (step,) = meter.steps
+            # Plain ids with a DTensor table (TorchTitan's TP): replicated over its mesh.
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            with implicit_replication():
+                F.embedding(torch.randint(0, 100, (4, 10)), weight)
+            done.step()
+            # TorchTitan's vocab-parallel embedding: an nn.Embedding whose table is sharded
+            # over the mesh looks up every id on its local rows, with plain tensors.
+            table = _LocalLookup(100, 8)
+            table.weight = nn.Parameter(distribute_tensor(table.weight.detach(), mesh, [Shard(0)]))
+            table(torch.randint(0, 100, (4, 10)))
+            done.step()
+            # An FSDP-sharded table is gathered before its lookup: each rank's own 40 ids.
+            from torch.distributed.fsdp import fully_shard
+
+            sharded = fully_shard(nn.Embedding(100, 8), mesh=mesh)
+            sharded(torch.randint(0, 100, (4, 10)))
+            done.step()
+        (step, plain, local, fsdp) = meter.steps
         assert step.flops == 16_384
-        assert step.tokens == 10
+        assert step.tokens == plain.tokens == local.tokens == 10
+        assert fsdp.tokens == 40
         assert step.peak_bytes is None
     finally:
         dist.destroy_process_group()

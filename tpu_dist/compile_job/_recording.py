@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -134,10 +135,19 @@ class Recorder:
             return list(self.calls.values())
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _OWN_CODE = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # tpu_dist/
     os.path.dirname(os.path.abspath(torch.__file__)),
+    # tpu-launch's entry and torch's autoload hook, beside the package
+    os.path.join(_REPO, "_tpu_dist_launch.py"),
+    os.path.join(_REPO, "_tpu_dist_autoload.py"),
 )
+_STDLIB = tuple(
+    os.path.abspath(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "platstdlib")
+)
+"""The standard library's folders. Other installed packages (a framework such as TorchTitan in
+site-packages) are the user's code here: their line is where a collective came from."""
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -174,7 +184,8 @@ def _origin() -> str:
 
 
 def _user_call_site() -> CallSite | None:
-    """The innermost frame outside tpu_dist, torch and the standard library; on a thread with
+    """The innermost frame outside tpu_dist (and tpu-launch), torch and the standard library
+    (installed packages, a framework's code, count as the script's); on a thread with
     none, the main thread's (the script's). Autograd runs the backward of a non-CPU device's
     tensors (the emulated ``"tpu"``'s) on a thread of its own, while the main thread waits in
     the script's ``loss.backward()``: that line is the call site, as on CPU tensors."""
@@ -189,7 +200,8 @@ def _user_call_site() -> CallSite | None:
 def _innermost_user_frame(stack: traceback.StackSummary) -> CallSite | None:
     for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_OWN_CODE) or "/lib/python" in path or frame.filename.startswith("<"):
+        if path.startswith(_OWN_CODE) or frame.filename.startswith("<") or (
+                path.startswith(_STDLIB) and "site-packages" not in path):
             continue
         return CallSite(path, frame.lineno or 0, (frame.line or "").strip())
     return None

@@ -185,9 +185,10 @@ class Session:
         rank: int,
         script_seconds: float = 0.0,
         progress: Callable[[str], None] | None = None,
+        assumptions: Sequence[str] = (),
     ) -> CompileReport:
         """Compile every distinct recorded program for the world's TPU devices and report
-        (:func:`~._compile.compile_calls`).
+        (:func:`~._compile.compile_calls`), with the ``assumptions`` the recorded sizes rest on.
 
         Raises:
             RuntimeError: no "tpu" group was created while the session was active.
@@ -201,6 +202,7 @@ class Session:
         compiler, self._compiler = self._compiler, None
         calls = self.recorded()
         report = compile_calls(calls, topology, rank, script_seconds, progress, compiler)
+        report = dataclasses.replace(report, assumptions=tuple(assumptions))
         if self.meter is not None and self.meter.error is not None:
             return dataclasses.replace(report, step_error=self.meter.error)
         record = self.meter.chosen() if self.meter is not None else None

@@ -2,8 +2,9 @@
 
 :class:`StepMeter` wraps the script's run (inside :class:`~._fake.LargeTensorsFake`, so it sees
 fake tensors and costs no memory) and cuts it into steps: **a step ends when an optimizer's
-``step()`` returns** (torch's global optimizer hook), and the next begins there. Per step it
-keeps:
+``step()`` returns** (torch's global optimizer hooks; of optimizers stepped by another's
+``step``, as TorchTitan's container steps its own, the outermost), and the next begins there.
+Per step it keeps:
 
 * **FLOPs**, counted on the ops this rank runs, each priced by :func:`~._op_costs.op_cost`
   (torch's FLOP formulas and the attention kernels it lacks; the step meter's per-op
@@ -23,7 +24,9 @@ keeps:
   these are the FLOPs the device executes.
 * **Tokens**: the token ids that go through the step's embedding lookups (``aten.embedding``),
   over the ranks that share them: a DTensor input replicated over a mesh (tensor parallelism's
-  embedding) counts ``1 / mesh size`` per rank, TorchTitan's tokens per device.
+  embedding) counts ``1 / mesh size`` per rank, as does a lookup on local tensors in the
+  forward of an ``nn.Embedding`` whose table is a DTensor sharded over a mesh (TorchTitan's
+  vocab-parallel embedding): TorchTitan's tokens per device.
 * **Peak tensor bytes**, tracked by torch's :class:`~torch.distributed._tools.mem_tracker.
   MemTracker` (parameters, gradients, optimizer state, activations, temporaries), from the
   step's first module forward (so building the unsharded model before sharding it is not part
@@ -50,6 +53,7 @@ op's own error (the script's) propagates as it would without the meter.
 from __future__ import annotations
 
 import dataclasses
+import math
 from copy import deepcopy
 from typing import TYPE_CHECKING, Any
 
@@ -153,6 +157,19 @@ class _LocalOpsMode(TorchDispatchMode):
         return out
 
 
+def _shared_by(table: Any) -> int:
+    """How many ranks share the ids an ``nn.Embedding``'s forward looks up on plain tensors:
+    those its table is sharded over when the lookup runs (a vocab-parallel embedding on local
+    tensors, TorchTitan's: every rank of the table's tensor-parallel mesh looks up every id).
+    Read at the lookup, when FSDP has gathered the table (its sharding over data-parallel
+    ranks, before the forward, is not one)."""
+    weight = getattr(table, "weight", None)
+    if not _is_dtensor_type(type(weight)):
+        return 1
+    return math.prod(size for size, placement in zip(weight.device_mesh.shape, weight.placements)
+                     if placement.is_shard())
+
+
 class _OpCounter:
     """The step's op costs summed (:class:`~._op_costs.OpCost`), its mode on torch's mode
     stack while entered."""
@@ -168,10 +185,16 @@ class _OpCounter:
         recomputed forward under activation checkpointing runs inside the backward and is not
         here)."""
         self.mode: _LocalOpsMode | None = None
+        self.lookup_table: Any = None
+        """The ``nn.Embedding`` whose forward is running, for the next embedding lookup on
+        plain tensors: the ranks its table is sharded over share the lookup's ids (module doc);
+        used once."""
 
     def add(self, cost: OpCost) -> None:
         self.flops += cost.flops
-        self.token_ids += cost.token_ids
+        if cost.token_ids:
+            table, self.lookup_table = self.lookup_table, None
+            self.token_ids += cost.token_ids / _shared_by(table)
         if cost.model_flops and torch._C._current_autograd_node() is None:
             self.forward_flops += cost.model_flops
 
@@ -187,8 +210,9 @@ class _OpCounter:
 
 class _DTensorTokens(TorchDispatchMode):
     """Sees an embedding lookup on a DTensor before DTensor runs it, and notes how many ranks
-    share its token ids (a Replicate input over a mesh of n ranks: n); the local lookup then
-    counts ``ids / n`` (:class:`_LocalOpsMode`)."""
+    share its token ids (a Replicate input over a mesh of n ranks: n; plain ids with a DTensor
+    table: the table's mesh, over which DTensor replicates them); the local lookup then counts
+    ``ids / n`` (:class:`_LocalOpsMode`)."""
 
     supports_higher_order_operators = True
 
@@ -204,12 +228,17 @@ class _DTensorTokens(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def _lookup(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
-        ids = args[1]
+        self.counter.lookup_table = None  # a DTensor lookup: its sharing is worked out here
+        weight, ids = args[0], args[1]
         shared = 1
         if _is_dtensor_type(type(ids)):
             for size, placement in zip(ids.device_mesh.shape, ids.placements):
                 if placement.is_replicate():
                     shared *= size
+        elif _is_dtensor_type(type(weight)):
+            # Plain ids with a DTensor table (TorchTitan's tensor parallelism): DTensor takes
+            # them as replicated over the table's mesh (implicit replication).
+            shared = weight.device_mesh.size()
         before = self.counter.token_ids
         out = func(*args, **(kwargs or {}))
         added = self.counter.token_ids - before
@@ -308,17 +337,26 @@ def _peak_tracker(guard: _Guard, device_type: str | None = None) -> Any:
 
             guard.hook("MemTracker's pre-forward hook", run)
 
+        # The three hooks below keep per-module snapshots only (not reported here). A module
+        # whose stats were reset within the step has none to add to: a module run again at the
+        # top level in one step (TorchTitan's chunked loss runs the final norm and the output
+        # projection chunk by chunk) resets every module's stats (_pre_fw_hook above), and the
+        # modules whose forward ran before then reach their backward untracked.
+
         def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
-            guard.hook("MemTracker's post-forward hook",
-                       lambda: super(_PeakTracker, self)._post_fw_hook(module, inputs, outputs))
+            if module in self.memory_tracking:
+                guard.hook("MemTracker's post-forward hook", lambda: super(
+                    _PeakTracker, self)._post_fw_hook(module, inputs, outputs))
 
         def _pre_bw_hook(self, module: Any, args: Any) -> None:
-            guard.hook("MemTracker's pre-backward hook",
-                       lambda: super(_PeakTracker, self)._pre_bw_hook(module, args))
+            if module in self.memory_tracking:
+                guard.hook("MemTracker's pre-backward hook",
+                           lambda: super(_PeakTracker, self)._pre_bw_hook(module, args))
 
         def _post_bw_hook(self, module: Any, args: Any) -> None:
-            guard.hook("MemTracker's post-backward hook",
-                       lambda: super(_PeakTracker, self)._post_bw_hook(module, args))
+            if module in self.memory_tracking:
+                guard.hook("MemTracker's post-backward hook",
+                           lambda: super(_PeakTracker, self)._post_bw_hook(module, args))
 
         def _track_optimizer_states(self, *args: Any) -> None:
             guard.hook("MemTracker's optimizer-state tracking",
@@ -395,10 +433,16 @@ class StepMeter:
         self._tokens_at_start = 0.0
         self._fresh = True  # no module forward yet in this step
         self._flex_eager: Any = None
+        self._optimizers_stepping = 0
+        """Optimizer steps running (nested: TorchTitan's container is an optimizer whose
+        ``step`` steps each of its optimizers; only the outermost ends a training step)."""
 
     def __enter__(self) -> StepMeter:
         from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
         # The token mode on top: it must see a DTensor lookup before MemTracker (which passes
         # DTensor ops on to DTensor unseen by the modes below it) does.
@@ -407,6 +451,7 @@ class StepMeter:
             self._memory.__enter__()
         self._tokens.__enter__()
         self._hooks = [
+            register_optimizer_step_pre_hook(self._step_starting),
             register_optimizer_step_post_hook(self._step_done),
             register_module_forward_pre_hook(self._forward),
         ]
@@ -431,15 +476,23 @@ class StepMeter:
         return self._guard.error
 
     def _forward(self, module: Any, inputs: Any) -> None:
-        self._guard.hook("the step meter's forward hook", lambda: self._forward_body())
+        self._guard.hook("the step meter's forward hook", lambda: self._forward_body(module))
 
-    def _forward_body(self) -> None:
+    def _forward_body(self, module: Any) -> None:
+        if isinstance(module, torch.nn.Embedding):
+            self._flops.lookup_table = module
         if self._fresh:
             self._fresh = False
             if self._memory is not None:
                 self._memory.restart_peak()
 
+    def _step_starting(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizers_stepping += 1
+
     def _step_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizers_stepping = max(0, self._optimizers_stepping - 1)
+        if self._optimizers_stepping:
+            return  # an optimizer stepped by another's step: the outer one ends the step
         self.steps_run += 1
         if self.recorder is not None:
             self.recorder.step = self.steps_run

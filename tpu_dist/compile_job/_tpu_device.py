@@ -47,7 +47,7 @@ so that TorchTPU does not load inside ``import torch`` (it would on a TPU host):
 already loaded is refused here with what to do.
 
 What is not emulated: compute (ops on fake tensors compute nothing), TorchTPU's compiler and
-its ``torch.compile`` backend, ``torch.tpu.ops`` / ``pallas`` / ``optimizers`` (they raise an
+its ``torch.compile`` backend, its autocast rules (``torch.autocast("tpu")`` casts nothing), ``torch.tpu.ops`` / ``pallas`` / ``optimizers`` (they raise an
 ``AttributeError`` naming this mode), and ``torch.accelerator``'s device index (torch's
 Python hooks give no way to set it; it stays 0: use ``torch.tpu.current_device()``).
 """
@@ -258,6 +258,8 @@ class EmulatedTpu:
         """The ``torch.tpu`` module object (registered by :func:`install`)."""
         self.kernels: torch.library.Library | None = None
         """The device's kernels registered with torch (:func:`install`), kept alive here."""
+        self.autocast: torch.library.Library | None = None
+        """Its autocast fallthrough (:func:`install`), kept alive here."""
 
     # -- what TorchTPU 0.2.0's torch.tpu offers -------------------------------------------------
 
@@ -572,6 +574,12 @@ def install(emulation: EmulatedTpu, backend_name: str) -> None:
     emulation.kernels = torch.library.Library("aten", "IMPL")
     emulation.kernels.impl("scaled_dot_product_attention", _fused_attention,
                            "AutogradPrivateUse1")
+    # Autocast on "tpu" (torch.autocast(device_type="tpu"), TorchTitan's MoE router) passes
+    # every op through: torch has no autocast kernels for a PrivateUse1 device (TorchTPU
+    # registers its casting rules natively; they are not emulated, so ops keep their dtypes).
+    emulation.autocast = torch.library.Library("_", "IMPL")
+    emulation.autocast.fallback(torch.library.fallthrough_kernel,
+                                dispatch_key="AutocastPrivateUse1")
     # tpu_dist's backend serves tensors on "tpu": the device map and the backend's devices.
     dist.Backend.default_device_backend_map[DEVICE_TYPE] = backend_name
     devices = dist.Backend.backend_capability.setdefault(backend_name, [])

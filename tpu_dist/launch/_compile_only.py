@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     from tpu_dist.compile_job import LargeTensorsFake
 
     emulated = ("tpu",) if tpu_device else ()
+    fake = None
     if real_tensors and not emulated:
         with session.measure_steps():
             code = _run_script(mode, target, args)
@@ -283,8 +284,15 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
     script_seconds = time.monotonic() - started
+    assumptions = []
+    if fake is not None and fake.balanced_topk:
+        assumptions.append(
+            f"balanced routing: {fake.balanced_topk} top-k call(s) over values this run does not "
+            "know (a router's scores) picked every choice equally often, and the sizes that "
+            "follow from them (an MoE's tokens per expert, its all-to-all splits) are those of "
+            "balanced routing; real routing is uneven")
     try:
-        report = session.compile(rank, script_seconds)
+        report = session.compile(rank, script_seconds, assumptions=assumptions)
     except RuntimeError as err:
         print(f"tpu-launch --compile-only: {err}", file=sys.stderr)
         return code or 1
