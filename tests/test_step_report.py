@@ -254,6 +254,20 @@ def test_the_causal_block_fraction_is_the_one_flex_attention_builds() -> None:
             causal_block_fraction(q_len, kv_len, q_block, kv_block)), (q_len, kv_len, block)
 
 
+def test_grouped_matmuls_of_experts_are_counted() -> None:
+    """``torch._grouped_mm`` (an MoE's experts): 64 tokens of width 32 in 4 groups of 16, each
+    against its expert's 32 x 16: 2 x 64 x 32 x 16 = 65,536 FLOPs forward; the backward's
+    weight gradient (groups along the contraction: 2-D x 2-D) as many; the tokens take none."""
+    weight = nn.Parameter(torch.randn(4, 32, 16, dtype=torch.bfloat16))
+    tokens = torch.randn(64, 32, dtype=torch.bfloat16)
+    ends = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    with StepMeter(track_memory=False) as meter:
+        torch._grouped_mm(tokens, weight, offs=ends).float().sum().backward()
+        torch.optim.SGD([weight]).step()
+    assert meter.steps[-1].flops == 2 * 65_536
+    assert meter.steps[-1].model_flops == 3 * 65_536
+
+
 def _row(op: str, origin: str, est: float | None, temp: int) -> CompiledCall:
     return CompiledCall(
         op=op, reduce_op=None, group_size=4, mesh_dim="dp" if origin == "fsdp" else "tp",

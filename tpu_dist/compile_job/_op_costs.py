@@ -5,8 +5,8 @@ rank runs on its own tensors (a DTensor op once, on its shards), with the op's i
 outputs (fake tensors in a compile-only run: shapes, no data), and says what it costs:
 
 * **FLOPs** (:attr:`OpCost.flops`): torch's formulas (``torch.utils.flop_counter``: matmuls,
-  convolutions, attention kernels), plus those it lacks on torch 2.13: the CPU's flash
-  attention kernel and the fused attention kernel of a PrivateUse1 device (the emulated
+  convolutions, attention kernels), plus those it lacks on torch 2.13: ``_grouped_mm`` (an
+  MoE's experts), the CPU's flash attention kernel and the fused attention kernel of a PrivateUse1 device (the emulated
   ``"tpu"``'s, :mod:`._tpu_device`), both counted as torch counts attention: the forward's two
   ``s x s`` matmuls, a backward of five (the scores recomputed, as a flash kernel does).
   **FlexAttention** (the ``flex_attention`` higher-order op and its backward, TorchTitan's
@@ -72,13 +72,29 @@ def _attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: 
     return sdpa_backward_flop_count(grad_out, query, key, value)
 
 
+def _grouped_mm(a: Any, b: Any, *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    """``torch._grouped_mm`` (an MoE's experts, TorchTitan's): every row meets one group's
+    matrix, so the work is that of one matmul of the whole operands. A ``(M, K)`` x B
+    ``(G, K, N)`` (groups along M): ``2 M K N``; ``(G, M, K)`` x ``(K, N)`` (along N):
+    ``2 M K N``; ``(M, K)`` x ``(K, N)`` (along K, a weight gradient): ``2 M K N``;
+    ``(G, M, K)`` x ``(G, K, N)``: ``2 G M K N``."""
+    if len(a) == 2 and len(b) == 3:
+        return 2 * a[0] * a[1] * b[2]
+    if len(a) == 3 and len(b) == 2:
+        return 2 * a[1] * a[2] * b[1]
+    if len(a) == 2 and len(b) == 2:
+        return 2 * a[0] * a[1] * b[1]
+    return 2 * a[0] * a[1] * a[2] * b[2]
+
+
 _MORE = {
+    _aten._grouped_mm: _grouped_mm,
     _aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,
     _aten._scaled_dot_product_fused_attention_overrideable: _attention,
     _aten._scaled_dot_product_fused_attention_overrideable_backward: _attention_backward,
 }
-"""Attention kernels torch 2.13 has no formula for (module docstring)."""
+"""Kernels torch 2.13 has no formula for (module docstring)."""
 
 _FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in _MORE.items()}}
 """Op (overload packet, or higher-order op) -> ``f(*args, out_val=out, **kwargs)`` -> FLOPs."""
