@@ -460,6 +460,12 @@ def test_presets_have_the_published_parameter_counts(preset: str, shape_name: st
     with torch.device("meta"):
         model = ex.Decoder(ex.build_config(args))
     assert sum(p.numel() for p in model.parameters()) == 32_762_106_880 == _estimate.QWEN3_32B.params
+    # Qwen3-8B: 36 x (4096 x 4096 x 2 + 4096 x 1024 x 2 + 3 x 4096 x 12288 + 2 x 4096)
+    # + 2 x 151,936 x 4096 + 4096 (untied output; its QK-norm's 36 x 2 x 128 left out).
+    args = ex.parse_args(["--model", "qwen3-8b"], extra=ex._options)
+    with torch.device("meta"):
+        model = ex.Decoder(ex.build_config(args))
+    assert sum(p.numel() for p in model.parameters()) == 8_190_726_144 == _estimate.QWEN3_8B.params
 
 
 def test_layouts_the_model_cannot_take_are_refused_with_what_to_pass() -> None:

@@ -192,6 +192,11 @@ class LargeTensorsFake(TorchDispatchMode):
         if func.namespace == "_c10d_functional":
             _follow_collective(func, args, out)
             return
+        if func is _COPY and _value(args[1]) is not None:
+            # Its destination's old values do not matter (a collective's result copied into
+            # its output: the count exchange of an MoE run through c10d).
+            _set_value(out, _value(args[1]).to(out.dtype).expand(out.shape).clone())
+            return
         if func is _TOPK and _value(args[0]) is None:
             values, indices = out
             _set_value(indices, _balanced_indices(indices.shape, args[0].shape, *args[1:3]))
@@ -216,6 +221,7 @@ _MAX_VALUE_ELEMENTS = 1 << 22
 """The largest fake output (elements) whose values are followed (a router's one-hot map of
 8,192 tokens over 128 experts is 1 Mi elements)."""
 _TOPK = torch.ops.aten.topk.default
+_COPY = torch.ops.aten.copy_.default
 _SHAPE_ONLY = frozenset(
     getattr(torch.ops.aten, name).default for name in (
         "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
