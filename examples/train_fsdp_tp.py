@@ -207,6 +207,15 @@ def check_layout(config: ModelConfig, dp: int, tp: int, world: int) -> None:
             raise SystemExit(f"--tp {tp} does not divide the model's {name} {size}")
 
 
+def _expert_dim(param: nn.Parameter) -> Shard | None:
+    """FSDP's dimension for a parameter: the experts' stacked weights ``(experts, a, b)`` over
+    the larger of ``a`` and ``b`` (a rank's few experts over hundreds of dp ranks would leave
+    most ranks empty and pad every all-gather to a whole expert a rank); others dim 0."""
+    if param.dim() != 3:
+        return None
+    return Shard(1 if param.shape[1] >= param.shape[2] else 2)
+
+
 def token_stream(args, config: ModelConfig) -> torch.Tensor:
     """The bundled text when a sequence fits in it, else (or with ``--synthetic``) seeded random
     tokens of the model's vocabulary, at least 65,536 (fake, so free, under --compile-only)."""
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> str:
         reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None,
     )
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, shard_placement_fn=_expert_dim)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     if rank == 0:
         print(f"FSDP2 x TP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "
