@@ -32,9 +32,10 @@ script with real tensors instead.
 
 **Values that sizes depend on.** Some sizes come from values: an MoE's all-to-all splits are
 its tokens per expert, counted from the router's top-k choices (``.tolist()`` of a count
-tensor). A fake tensor has no values, so the mode follows them where it can: a small tensor
-made fake from a real one (``torch.tensor([...], device="tpu")``), or computed by an op from
-tensors whose values are known (up to 4 Mi elements), keeps its values (computed on the CPU,
+tensor). A fake tensor has no values, so the mode follows them where it can: a small integer
+or bool tensor (sizes come from those: counts, indices, masks) made fake from a real one
+(``torch.tensor([...], device="tpu")``), or computed by an op from tensors whose values are
+known (up to 4 Mi elements), keeps its values (computed on the CPU,
 beside the fake one), and reading it back (``.item()``, ``.tolist()``) gives them. Where the
 values cannot be known, one **assumption**: a top-k over values this run does not know (a
 router's scores) picks **balanced**: row ``r`` of ``k`` choices among ``n`` takes
@@ -189,6 +190,13 @@ class LargeTensorsFake(TorchDispatchMode):
         outs = [o for o in tree_leaves(out) if isinstance(o, FakeTensor)]
         if not outs or sum(o.numel() for o in outs) > _MAX_VALUE_ELEMENTS:
             return
+        if func is _TOPK and _value(args[0]) is None:
+            values, indices = out
+            _set_value(indices, _balanced_indices(indices.shape, args[0].shape, *args[1:3]))
+            self.balanced_topk += 1
+            return
+        if not all(_countable(o.dtype) for o in outs):
+            return
         if func.namespace == "_c10d_functional":
             _follow_collective(func, args, out)
             return
@@ -196,11 +204,6 @@ class LargeTensorsFake(TorchDispatchMode):
             # Its destination's old values do not matter (a collective's result copied into
             # its output: the count exchange of an MoE run through c10d).
             _set_value(out, _value(args[1]).to(out.dtype).expand(out.shape).clone())
-            return
-        if func is _TOPK and _value(args[0]) is None:
-            values, indices = out
-            _set_value(indices, _balanced_indices(indices.shape, args[0].shape, *args[1:3]))
-            self.balanced_topk += 1
             return
         if func in _SHAPE_ONLY and _value(args[0]) is None:
             # Its input gives only a shape and a dtype: any tensor of them stands for it.
@@ -232,6 +235,12 @@ _VALUE = "_tpu_dist_value"
 """The attribute of a fake tensor holding its known values (a CPU tensor of its shape): an
 attribute, not a weak-keyed table, since ``Module.to()`` cannot swap a tensor that has weak
 references (:func:`_unmemoise`)."""
+
+
+def _countable(dtype: torch.dtype) -> bool:
+    """Values are followed for integer and bool tensors only: sizes come from them (counts,
+    indices, masks); following floating-point data would compute the model on the CPU."""
+    return not (dtype.is_floating_point or dtype.is_complex)
 
 
 class _Unknown(Exception):
