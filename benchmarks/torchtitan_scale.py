@@ -17,7 +17,8 @@ Cases (``run NAME ...``; ``list`` prints them):
   expert parallelism 8 for Qwen3-30B-A3B. Needs TorchTitan (``--python`` of a venv that has it).
 * ``example-<preset>@<topology>``: ``examples/train_fsdp_tp.py --model PRESET --tp 8
   --seq-len 8192 --seqs-per-dp-rank 1 --mixed-precision bf16 --activation-checkpointing
-  --steps 2`` (the README's command).
+  --steps 2`` (the README's command; ``--tp 4`` for Qwen3-30B-A3B, whose 4 key/value heads
+  do not split over 8).
 
 ``sweep`` runs one layout at 256, 512, 1,024, 2,048, 4,096 and 8,192 TPU7x chips with the same
 work per chip (weak scaling: TorchTitan's Llama 3 8B layout, FSDP x TP 8, one 8,192-token
@@ -53,8 +54,11 @@ TITAN = {
     "qwen3_30b_a3b": ("qwen3", ["--parallelism.expert-parallel-degree", "8",
                                 "--training.disable-cuda-graphs"]),
 }
-EXAMPLE_ARGS = ["--tp", "8", "--seq-len", "8192", "--seqs-per-dp-rank", "1",
-                "--mixed-precision", "bf16", "--activation-checkpointing", "--steps", "2"]
+EXAMPLE_ARGS = ["--seq-len", "8192", "--seqs-per-dp-rank", "1", "--mixed-precision", "bf16",
+                "--activation-checkpointing", "--steps", "2"]
+EXAMPLE_TP = {"qwen3-30b-a3b": 4}
+"""--tp of a preset (default 8): Qwen3-30B-A3B has 4 key/value heads (and its 128 experts go
+32 to each of the 4 tp ranks)."""
 SWEEP = ["tpu7x:4x8x8", "tpu7x:8x8x8", "tpu7x:8x8x16", "tpu7x:8x16x16", "tpu7x:16x16x16",
          "tpu7x:16x16x32"]
 """256 to 8,192 TPU7x chips (512 to 16,384 devices)."""
@@ -77,7 +81,7 @@ def _command(case: str, python: str, assets: str, report: str) -> list[str]:
                 "--metrics.no-enable-tensorboard", "--profiler.no-enable-profiling", *extra]
     if kind == "example":
         return [*launch, os.path.join(ROOT, "examples", "train_fsdp_tp.py"), "--model", target,
-                *EXAMPLE_ARGS]
+                "--tp", str(EXAMPLE_TP.get(target, 8)), *EXAMPLE_ARGS]
     raise SystemExit(f"unknown case {case!r}: titan-<config>@<topology> or "
                      "example-<preset>@<topology>")
 
@@ -112,6 +116,9 @@ def _last_error(out: str) -> str | None:
     """The script's exception (the last ``SomethingError: ...`` line), if it stopped."""
     lines = [line for line in out.splitlines()
              if re.match(r"^[A-Za-z_.]*(Error|Exception)\b.*:", line)]
+    if not lines:  # a SystemExit's message: the line before the run's summary
+        before = out.split("tpu-launch --compile-only: ran with")[0].strip().splitlines()
+        lines = [line for line in before[-1:] if "tpu-launch" not in line]
     return lines[-1][:300] if lines else None
 
 

@@ -207,7 +207,9 @@ class MoE(nn.Module):
         weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
         order = experts.reshape(-1).argsort(stable=True)  # the routed copies, by expert
         source = order // self.top_k
-        counts = torch.bincount(experts.reshape(-1), minlength=self.n_experts)
+        flat = experts.reshape(-1)
+        counts = torch.zeros(self.n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # (a bincount of a shape known without the values)
         out = self._experts(x[source], counts)
         out = out * weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(x).index_add(0, source, out).view(batch, seq, dim)
@@ -227,7 +229,8 @@ class MoE(nn.Module):
         receive = arriving.sum(dim=1).tolist()
         received = all_to_all_single_autograd(tokens, receive, send, group)
         # Rank-major (each sender's tokens by expert) to expert-major, and back after.
-        expert_of_row = torch.arange(local).repeat(ep).repeat_interleave(arriving.reshape(-1))
+        expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
+            arriving.reshape(-1), output_size=sum(receive))
         to_experts = expert_of_row.argsort(stable=True)
         done = _swiglu_experts(received[to_experts], arriving.sum(dim=0), w1, w2, w3)
         done = done[to_experts.argsort()]

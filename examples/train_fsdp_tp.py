@@ -207,13 +207,22 @@ def check_layout(config: ModelConfig, dp: int, tp: int, world: int) -> None:
             raise SystemExit(f"--tp {tp} does not divide the model's {name} {size}")
 
 
-def _expert_dim(param: nn.Parameter) -> Shard | None:
-    """FSDP's dimension for a parameter: the experts' stacked weights ``(experts, a, b)`` over
-    the larger of ``a`` and ``b`` (a rank's few experts over hundreds of dp ranks would leave
-    most ranks empty and pad every all-gather to a whole expert a rank); others dim 0."""
-    if param.dim() != 3:
+def _expert_dim(dp: int):
+    """FSDP's dimension for each parameter over ``dp`` ranks: the experts' stacked weights
+    ``(experts, a, b)`` over ``a`` or ``b`` when it splits evenly (FSDP2 shards other dims
+    than 0 only evenly): a rank's few experts over hundreds of dp ranks would leave most ranks
+    empty and pad every all-gather to a whole expert a rank. Else, and for every other
+    parameter, dim 0."""
+
+    def choose(param: nn.Parameter) -> Shard | None:
+        if param.dim() != 3 or param.shape[0] % dp == 0:
+            return None
+        for dim in (1, 2):
+            if param.shape[dim] % dp == 0:
+                return Shard(dim)
         return None
-    return Shard(1 if param.shape[1] >= param.shape[2] else 2)
+
+    return choose
 
 
 def token_stream(args, config: ModelConfig) -> torch.Tensor:
@@ -257,7 +266,7 @@ def main(argv: list[str] | None = None) -> str:
         reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None,
     )
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, shard_placement_fn=_expert_dim)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, shard_placement_fn=_expert_dim(dp))
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     if rank == 0:
         print(f"FSDP2 x TP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "
