@@ -21,8 +21,8 @@ ranks there), and reports on every collective the script issued. The pieces, in 
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).
 5. The measured step (:class:`StepMeter` around the script's run, :func:`step_report`): the
-   FLOPs, tokens and peak tensor memory of the script's last training step (torch's
-   ``FlopCounterMode`` and ``MemTracker`` on the fake tensors) and its collectives' estimated
+   FLOPs, tokens and peak tensor memory of the script's last training step (torch's FLOP
+   formulas, ``_op_costs.op_cost``, and ``MemTracker`` on the fake tensors) and its collectives' estimated
    times, overlappable (FSDP's, DDP's) or on the critical path (DTensor's, the script's): the
    report's ``"step"`` object (compute, exposed communication, a step-time lower bound, MFU
    bound, tokens/s, peak HBM against the generation's: "fits" or "short by X GiB") and a
