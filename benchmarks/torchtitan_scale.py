@@ -159,7 +159,7 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[dict], path: str) -> None:
+def _plot(rows: list[dict], path: str, title: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -177,8 +177,8 @@ def _plot(rows: list[dict], path: str) -> None:
     ax.set_ylim(0, max(per_chip) * 1.15 if per_chip else 1)
     ax.set_xlabel("TPU7x chips")
     ax.set_ylabel("tokens/s per chip (upper bound)")
-    ax.set_title(f"Weak scaling, {done[0]['case'].split('@')[0] if done else ''}: "
-                 "tpu-launch --compile-only estimates")
+    ax.set_title(title or f"Weak scaling, {done[0]['case'].split('@')[0] if done else ''}: "
+                 "tpu-launch --compile-only estimates", fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -203,6 +203,7 @@ def main() -> None:
     plot = sub.add_parser("plot")
     plot.add_argument("file")
     plot.add_argument("png")
+    plot.add_argument("--title", default=None)
     args = parser.parse_args()
     if args.what == "list":
         print("\n".join([*(f"titan-{c}@TOPOLOGY" for c in TITAN),
@@ -213,7 +214,7 @@ def main() -> None:
         if args.what == "table":
             print(_table(rows))
         else:
-            _plot(rows, args.png)
+            _plot(rows, args.png, args.title)
         return
     cases = args.cases if args.what == "run" else [f"{args.layout}@{t}" for t in SWEEP]
     for case in cases:
