@@ -73,6 +73,12 @@ class ModelConfig:
     max_seq_len: int = 64
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    n_experts: int = 0
+    """Experts of each block's MLP (a mixture of experts: :class:`MoE`); 0: a dense MLP."""
+    top_k: int = 2
+    """Experts each token goes to (with ``n_experts``)."""
+    expert_hidden: int | None = None
+    """Each expert's SwiGLU width (with ``n_experts``); None: ``ffn_hidden``."""
 
     def __post_init__(self) -> None:
         if self.head_dim is None and (self.dim % self.n_heads or (self.dim // self.n_heads) % 2):
@@ -169,13 +175,90 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MoE(nn.Module):
+    """Token-choice top-k mixture of experts (Qwen3-MoE's): a router scores every expert for each
+    token (softmax), the token goes to its ``top_k`` best, their outputs weighted by the scores
+    renormalised over the ``top_k``. Each expert is a SwiGLU; their weights are stacked
+    ``(n_experts, ...)`` and run as one grouped matmul (``torch._grouped_mm``) over the tokens
+    sorted by expert.
+
+    Expert parallelism: with ``expert_group`` set, each of its ranks holds ``n_experts / ep`` of
+    the experts (its weights are that rank's slice: ``train_fsdp_tp.py`` makes them a DTensor
+    sharded over the group) and the tokens travel: an all-to-all of token counts, then of the
+    routed tokens (split by the counts: they depend on the routing), the experts, and an
+    all-to-all back.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.expert_hidden or config.ffn_hidden
+        self.n_experts, self.top_k = config.n_experts, config.top_k
+        self.router = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.w1 = nn.Parameter(torch.empty(config.n_experts, config.dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(config.n_experts, config.dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(config.n_experts, hidden, config.dim))
+        self.expert_group: dist.ProcessGroup | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, dim = x.shape
+        x = x.reshape(-1, dim)
+        scores = F.linear(x, _local(self.router.weight)).float().softmax(dim=-1)
+        weights, experts = scores.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        order = experts.reshape(-1).argsort(stable=True)  # the routed copies, by expert
+        source = order // self.top_k
+        flat = experts.reshape(-1)
+        counts = torch.zeros(self.n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # (a bincount of a shape known without the values)
+        out = self._experts(x[source], counts)
+        out = out * weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(x).index_add(0, source, out).view(batch, seq, dim)
+
+    def _experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        if self.expert_group is None:
+            return _swiglu_experts(tokens, counts, w1, w2, w3)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        group = self.expert_group
+        ep, local = dist.get_world_size(group), w1.shape[0]
+        arriving = torch.empty_like(counts)
+        dist.all_to_all_single(arriving, counts, group=group)  # [rank, my expert] counts
+        arriving = arriving.view(ep, local)
+        send = counts.view(ep, local).sum(dim=1).tolist()
+        receive = arriving.sum(dim=1).tolist()
+        received = all_to_all_single_autograd(tokens, receive, send, group)
+        # Rank-major (each sender's tokens by expert) to expert-major, and back after.
+        expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
+            arriving.reshape(-1), output_size=sum(receive))
+        to_experts = expert_of_row.argsort(stable=True)
+        done = _swiglu_experts(received[to_experts], arriving.sum(dim=0), w1, w2, w3)
+        done = done[to_experts.argsort()]
+        return all_to_all_single_autograd(done, send, receive, group)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight (a DTensor's local tensor; a plain tensor as it is): the
+    MoE runs on this rank's tokens as plain tensors."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
+
+
+def _swiglu_experts(tokens: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
+                    w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """Each expert's SwiGLU on its rows of ``tokens`` (sorted by expert, ``counts`` each)."""
+    ends = counts.cumsum(0).to(torch.int32)
+    hidden = F.silu(torch._grouped_mm(tokens, w1, offs=ends)) * torch._grouped_mm(
+        tokens, w3, offs=ends)
+    return torch._grouped_mm(hidden, w2, offs=ends)
+
+
 class Block(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim, config.norm_eps)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = MoE(config) if config.n_experts else FeedForward(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x))
@@ -191,9 +274,9 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, p in self.named_parameters():
-            if p.dim() == 2:
+            if p.dim() >= 2:  # (3: the experts' stacked weights)
                 # Small init, scaled down on the projections that feed the residual stream.
-                std = 0.02 / math.sqrt(2 * config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                std = 0.02 / math.sqrt(2 * config.n_layers) if name.endswith(("wo.weight", "w2.weight", ".w2")) else 0.02
                 nn.init.normal_(p, std=std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,12 @@ key/value heads; Qwen3's QK-norm is left out, its weights are 0.0004 % of the mo
     llama3-70b   dim 8192, 80 layers, 64 heads / 8 kv, FFN 28672, vocab 128256   table 3; vocab
     llama3-405b  dim 16384, 126 layers, 128 heads / 8 kv, FFN 53248, vocab 128256 and RoPE 5e5
                                                                                   from the configs)
+    qwen3-8b     dim 4096, 36 layers, 32 heads of 128 / 8 kv, FFN 12288, vocab 151936 (its config)
     qwen3-32b    dim 5120, 64 layers, 64 heads of 128 / 8 kv, FFN 25600, vocab 151936 (its config)
+    qwen3-30b-a3b  dim 2048, 48 layers, 32 heads of 128 / 4 kv, 128 experts of SwiGLU width 768,
+                 8 a token, vocab 151936 (its config): a mixture of experts, the experts over
+                 the tp ranks (expert parallelism: all-to-alls of tokens), attention in TP
+    debug-moe    debug's, with 8 experts of width 128, 2 a token
     debug        dim 256, 2 layers, 8 heads / 2 kv, FFN 512, vocab 2048 (runs on 4 CPU ranks)
 
 They are for ``--compile-only`` (fake tensors: no memory, no compute), e.g. TorchTitan's Llama 3
@@ -52,10 +57,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Replicate, Shard
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -66,6 +73,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_fsdp import (  # noqa: E402
     Decoder,
     ModelConfig,
+    MoE,
     corpus,
     describe_mesh,
     global_batch_size,
@@ -99,6 +107,12 @@ def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True
             ),
         },
     )
+    moe_plan = {  # the experts over the tp ranks (expert parallelism), on their own tokens
+        "feed_forward": PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+            use_local_input=True, output_layouts=(Shard(1),), desired_output_layouts=(Shard(1),),
+        ),
+    }
     block_plan = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
@@ -113,7 +127,21 @@ def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True
         "feed_forward.w3": ColwiseParallel(),
     }
     for block in model.layers:
-        parallelize_module(block, tp_mesh, block_plan)
+        moe = block.feed_forward if isinstance(block.feed_forward, MoE) else None
+        if moe is None:
+            parallelize_module(block, tp_mesh, block_plan)
+            continue
+        plan = {k: v for k, v in block_plan.items() if not k.startswith("feed_forward")}
+        parallelize_module(block, tp_mesh, plan | moe_plan)
+        # Expert parallelism over the tp ranks: each holds n_experts / tp of the experts; the
+        # router is the same everywhere. (All of a block's parameters are then DTensors on the
+        # tp mesh, as FSDP2 wants them.)
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(moe, name)
+            setattr(moe, name, nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)])))
+        moe.router.weight = nn.Parameter(
+            distribute_tensor(moe.router.weight.detach(), tp_mesh, [Replicate()]))
+        moe.expert_group = tp_mesh.get_group()
 
 
 PRESETS: dict[str, dict] = {
@@ -123,9 +151,16 @@ PRESETS: dict[str, dict] = {
                        vocab_size=128256, rope_theta=500000.0),
     "llama3-405b": dict(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_hidden=53248,
                         vocab_size=128256, rope_theta=500000.0),
+    "qwen3-8b": dict(dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128,
+                     ffn_hidden=12288, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6),
     "qwen3-32b": dict(dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128,
                       ffn_hidden=25600, vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6),
+    "qwen3-30b-a3b": dict(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128,
+                          ffn_hidden=6144, vocab_size=151936, n_experts=128, top_k=8,
+                          expert_hidden=768, rope_theta=1000000.0, norm_eps=1e-6),
     "debug": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=512, vocab_size=2048),
+    "debug-moe": dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=2, ffn_hidden=512,
+                      vocab_size=2048, n_experts=8, top_k=2, expert_hidden=128),
 }
 """``--model``: the published dimensions (module docstring)."""
 
@@ -164,9 +199,30 @@ def check_layout(config: ModelConfig, dp: int, tp: int, world: int) -> None:
                 f"--tp {tp} does not divide the model's {heads} {name} heads (each tp rank "
                 f"computes whole heads); use a --tp that divides {heads}"
             )
-    for name, size in (("vocab", config.vocab_size), ("FFN width", config.ffn_hidden)):
+    sizes = [("vocab", config.vocab_size)]
+    sizes.append(("experts", config.n_experts) if config.n_experts
+                 else ("FFN width", config.ffn_hidden))
+    for name, size in sizes:
         if size % tp:
             raise SystemExit(f"--tp {tp} does not divide the model's {name} {size}")
+
+
+def _expert_dim(dp: int):
+    """FSDP's dimension for each parameter over ``dp`` ranks: the experts' stacked weights
+    ``(experts, a, b)`` over ``a`` or ``b`` when it splits evenly (FSDP2 shards other dims
+    than 0 only evenly): a rank's few experts over hundreds of dp ranks would leave most ranks
+    empty and pad every all-gather to a whole expert a rank. Else, and for every other
+    parameter, dim 0."""
+
+    def choose(param: nn.Parameter) -> Shard | None:
+        if param.dim() != 3 or param.shape[0] % dp == 0:
+            return None
+        for dim in (1, 2):
+            if param.shape[dim] % dp == 0:
+                return Shard(dim)
+        return None
+
+    return choose
 
 
 def token_stream(args, config: ModelConfig) -> torch.Tensor:
@@ -210,7 +266,7 @@ def main(argv: list[str] | None = None) -> str:
         reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None,
     )
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, shard_placement_fn=_expert_dim(dp))
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     if rank == 0:
         print(f"FSDP2 x TP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "

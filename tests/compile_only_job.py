@@ -178,6 +178,14 @@ def main() -> None:
     if args.counts_dir:
         with open(os.path.join(args.counts_dir, f"rank{rank}.json"), "w") as f:
             json.dump(_calls, f)
+        # A normal run: no "tpu" device (compile-only mode's emulation stays there).
+        with open(os.path.join(args.counts_dir, f"rank{rank}.device.json"), "w") as f:
+            json.dump({
+                "torch_tpu": hasattr(torch, "tpu"),
+                "privateuse1": torch._C._get_privateuse1_backend_name(),
+                "accelerator": str(torch._C._get_accelerator()),
+                "tpu_in_device_map": "tpu" in dist.Backend.default_device_backend_map,
+            }, f)
     dist.destroy_process_group()
     # Which process ran the job (tpu-launch --compile-only forks it from the launcher when it
     # can: the launcher's interpreter, not a new one) and with how many torch threads.

@@ -185,7 +185,7 @@ TIERS: dict[str, tuple[str, ...]] = {
     "libtpu": (
         "test_tpu_compile", "test_tpu_compile_families", "test_tpu_block_align",
         "test_libtpu_topology", "test_mesh_torchtpu", "test_compile_only",
-        "test_compile_only_faults", "test_launch_compile_only", "test_step_report",
+        "test_compile_only_faults", "test_launch_compile_only", "test_step_report", "test_torchtitan",
     ),
     # The examples as the README runs them.
     "e2e": ("test_examples",),

@@ -3,7 +3,9 @@
 The job (``tests/compile_only_job.py``: FSDP2 x TP, DDP, object collectives, p2p, all-to-all)
 runs once on 4 real gloo ranks whose every process-group call is counted, and under
 ``--compile-only`` as ranks 0 and 3 of the same 4-device topology: the recording must see
-exactly the calls, groups and bytes gloo saw. A 2-slice run checks the DCN column, a run
+exactly the calls, groups and bytes gloo saw. A job written for TorchTPU
+(``tests/compile_only_tpu_job.py``: tensors on "tpu") runs on the emulated device and on CPU
+tensors: the same report. A 2-slice run checks the DCN column, a run
 with a reduce-scatter larger than a v5e's HBM checks that a program the TPU compiler rejects is
 reported with the script line that issued it, and TorchTitan's mesh (flattened dimensions,
 ``tests/compile_only_flat_job.py``) must compile on v5e. The runs (each one process, or four for gloo)
@@ -29,6 +31,7 @@ from tpu_dist.mesh import Topology  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "compile_only_job.py")
 CRASH_JOB = os.path.join(ROOT, "tests", "compile_only_crash_job.py")
+TPU_JOB = os.path.join(ROOT, "tests", "compile_only_tpu_job.py")
 FLAT_JOB = os.path.join(ROOT, "tests", "compile_only_flat_job.py")
 EXAMPLES = [os.path.join(ROOT, "examples", name) for name in ("train_fsdp.py", "train_fsdp_tp.py")]
 PIPELINE = os.path.join(ROOT, "examples", "train_pp.py")
@@ -53,11 +56,45 @@ _SAME_BYTES = {
 }
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(*, path: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, *path, env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
+
+
+_FAKE_TORCHTPU = {
+    "torch_tpu/__init__.py": "",
+    "torch_tpu/_loader.py": '''
+"""TorchTPU 0.2.0's loader as it acts on a TPU host, inside `import torch` (its entry point in
+torch.backends): PrivateUse1 renamed "tpu", its torch.tpu, its c10d backends "tpu" and
+"tpu_dist". A stand-in for tests/test_compile_only.py: without a TPU the real one loads nothing."""
+import types
+
+import torch
+import torch.distributed as dist
+
+
+def _create(store, rank, size, timeout):
+    raise RuntimeError("the stand-in TorchTPU's process group was created")
+
+
+def load():
+    torch.utils.rename_privateuse1_backend("tpu")
+    module = types.ModuleType("torch.tpu")
+    module.loaded_by = "torch_tpu"
+    module.is_available = lambda: True
+    torch._register_device_module("tpu", module)
+    for name in ("tpu", "tpu_dist"):
+        dist.Backend.register_backend(name, _create, devices=["tpu"])
+''',
+    "torch_tpu-0.2.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: torch_tpu\nVersion: 0.2.0\n",
+    "torch_tpu-0.2.0.dist-info/entry_points.txt": (
+        "[torch.backends]\ntorch_tpu = torch_tpu._loader:load\n"),
+}
+"""An installed torch-tpu that loads (as on a TPU host), on the path of the compile-only run of
+the TorchTPU job: compile-only mode must not load it (tpu-launch starts the job with
+TORCH_DEVICE_BACKEND_AUTOLOAD=0 and the emulation refuses ``import torch_tpu``)."""
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +108,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
     tmp = tmp_path_factory.mktemp("compile_only")
     counts = tmp / "counts"
     counts.mkdir()
+    torchtpu = tmp / "torchtpu"
+    for name, text in _FAKE_TORCHTPU.items():
+        (torchtpu / name).parent.mkdir(parents=True, exist_ok=True)
+        (torchtpu / name).write_text(text)
     commands = {  # longest first (alone: 9 s for the first three, 5-7 s for the others)
         "crash_in_slice": ([*LAUNCH, "--emulate", "tpu7x:16x16x32", "--compile-only"], _env()),
         # The launcher runs the compile-only job itself, except where it cannot or is told not
@@ -83,6 +124,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
                 _env()),
         "too_big": ([*LAUNCH, "--emulate", "v5e:2x2", "--compile-only"], _env()),
         "flattened_v5e": ([*LAUNCH, "--emulate", "v5e:4x4", "--compile-only"], _env()),
+        # A script written for TorchTPU (tensors on "tpu"), with torch-tpu installed (a
+        # stand-in that loads), and the same script on CPU tensors without the emulation.
+        "torchtpu": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"],
+                     _env(path=(str(torchtpu),))),
+        "torchtpu_on_cpu": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only",
+                             "--tpu-device", "none"], _env()),
         "rank0": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
         "pipeline": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only"], _env()),
         "rank0_real": ([*LAUNCH, "--emulate", "v5p:2x2x1", "--compile-only", "--tensors", "real"],
@@ -96,6 +143,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
     extra_args = {
         "dcn": ["--dcn"], "too_big": ["--too-big"], "crash": ["--partial-slices"],
         "pipeline": ["--schedule", "Interleaved1F1B", "--dp", "2", "--steps", "2"],
+        "torchtpu": ["--facts", str(tmp / "torchtpu.facts.json")],
+        "torchtpu_on_cpu": ["--device", "cpu", "--facts", str(tmp / "torchtpu_on_cpu.facts.json")],
     }
 
     def run(name: str) -> tuple[int, int, str, dict | None]:
@@ -103,7 +152,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
         report = tmp / f"{name}.json"
         if name != "gloo":
             job = {"crash_in_slice": CRASH_JOB, "flattened_v5e": FLAT_JOB,
-                   "pipeline": PIPELINE}.get(name, JOB)
+                   "pipeline": PIPELINE, "torchtpu": TPU_JOB, "torchtpu_on_cpu": TPU_JOB,
+                   }.get(name, JOB)
             cmd = [*cmd, "--compile-report", str(report), job, *extra_args.get(name, [])]
         proc = subprocess.Popen(
             cmd, env=env, cwd=str(tmp), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -125,6 +175,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, 
     results["gloo_counts"] = {
         rank: json.loads((counts / f"rank{rank}.json").read_text())
         for rank in range(4) if (counts / f"rank{rank}.json").exists()
+    }
+    results["gloo_device"] = {
+        rank: json.loads((counts / f"rank{rank}.device.json").read_text())
+        for rank in range(4) if (counts / f"rank{rank}.device.json").exists()
+    }
+    results["facts"] = {
+        name: json.loads((tmp / f"{name}.facts.json").read_text())
+        for name in ("torchtpu", "torchtpu_on_cpu") if (tmp / f"{name}.facts.json").exists()
     }
     return results
 
@@ -254,6 +312,88 @@ def test_fake_tensors_record_what_real_tensors_do(runs: dict) -> None:
                  r["dtype"], r["count"], r["program"]) for r in report["collectives"]]
 
     assert rows(fake) == rows(real)
+
+
+def test_a_torchtpu_script_records_what_it_does_on_cpu_tensors(runs: dict) -> None:
+    """The job written for TorchTPU (tensors on "tpu:LOCAL_RANK", torch.tpu.set_device,
+    init_process_group() with no backend, a torch DeviceMesh on "tpu", FSDP2 x TP, two steps,
+    c10d collectives, then "cpu:gloo,tpu:tpu", "tpu:tpu,cpu:gloo" and "tpu" groups) against the
+    same job on CPU tensors without the emulation: the same collectives (op, group, dimension,
+    bytes, dtype, calls, program, who issued them, the script line), the same step (FLOPs,
+    model FLOPs, tokens, communication, the bound) and the same memory, but for what a TPU
+    keeps on its host: AdamW's step counters (4 bytes a parameter: CPU tensors unless
+    capturable or fused) and DTensor's RNG state, and what TorchTPU's fused attention keeps
+    that the CPU's flash kernel does not (its RNG seed and offset, 16 bytes a layer)."""
+    (tpu_code, tpu_out, tpu), (cpu_code, cpu_out, cpu) = runs["torchtpu"], runs["torchtpu_on_cpu"]
+    assert tpu_code == 0, tpu_out
+    assert cpu_code == 0, cpu_out
+
+    def rows(report: dict) -> list[tuple]:
+        return [(r["op"], r["reduce_op"], r["group_size"], r["mesh_dim"], r["bytes_per_rank"],
+                 r["dtype"], r["count"], r["program"], r["origin"], r["first_call"], r["compiled"])
+                for r in report["collectives"]]
+
+    assert rows(tpu) == rows(cpu)
+    assert {"scatter", "reduce_scatter_tensor", "all_gather_into_tensor_coalesced",
+            "all_to_all_single", "broadcast", "barrier"} <= {r[0] for r in rows(tpu)}
+    step_tpu, step_cpu = tpu["step"], cpu["step"]
+    for field in ("flops_per_device", "model_flops_per_device", "tokens_per_device",
+                  "comm_seconds", "exposed_comm_seconds", "step_seconds", "collectives"):
+        assert step_tpu[field] == step_cpu[field], field
+    mem_tpu, mem_cpu = step_tpu["memory_bytes"], step_cpu["memory_bytes"]
+    assert mem_tpu["Parameter"] > 0
+    for kind in (set(mem_tpu) | set(mem_cpu)) - {"Optstate", "Activation"}:
+        assert mem_tpu.get(kind) == mem_cpu.get(kind), kind
+    params = runs["facts"]["torchtpu"]["optimizer_params"]
+    assert mem_cpu["Optstate"] - mem_tpu["Optstate"] == 4 * params
+    assert 0 <= mem_tpu["Activation"] - mem_cpu["Activation"] <= 16
+    # The per-device configs: torch keeps the first Python group, the recording one.
+    assert runs["facts"]["torchtpu"]["configs"] == [
+        "cpu:gloo,tpu:tpu", "tpu:tpu,cpu:gloo", "cpu:tpu,tpu:tpu"]
+    assert runs["facts"]["torchtpu"]["backend_config"] == "tpu:tpu"
+
+
+def test_the_emulated_torch_tpu_answers_as_torchtpu(runs: dict) -> None:
+    """``torch.tpu`` of the emulation against TorchTPU 0.2.0's (its ``_device_module.py`` and
+    ``hardware.py``, read from the wheel): on a v5p 2x2x1 host, rank 0 is bound to device 0
+    of the host's 4; "TPU v5p", 95 GiB of HBM a device; set_device to another index, or to a
+    non-TPU device, raises its ValueError; 20 AMP dtypes; torch's available device type and
+    accelerator are "tpu". The memory statistics are the step meter's tensor bytes on the
+    device (the peak of the run, then the current bytes after a reset). torch-tpu is
+    installed (a stand-in that loads inside ``import torch``) and is not loaded."""
+    code, out, report = runs["torchtpu"]
+    assert code == 0, out
+    facts = runs["facts"]["torchtpu"]
+    assert facts["available_device_type"] == "tpu" and facts["accelerator"] == "tpu"
+    assert facts["is_available"] is True and facts["emulated"] is True
+    assert (facts["device_count"], facts["current_device"]) == (4, 0)
+    assert facts["device_name"] == "TPU v5p"
+    assert facts["properties"] == ["TPU v5p", 95 * 2**30, 1]
+    assert facts["set_same"] is None and facts["synchronize"] is None
+    assert facts["set_other"] == (
+        "ValueError: Cannot set TPU device to index 1, current process is bound to device "
+        "index 0. Changing the active TPU device within a process is not supported.")
+    assert facts["set_cuda"] == "ValueError: Invalid device type cuda"
+    assert facts["amp_dtypes"] == 20 and facts["rng_state"] == [16]
+    assert facts["tensor_is_tpu"] is True
+    stats = facts["memory_stats"]
+    assert stats["num_ooms"] == 0 and stats["num_alloc_retries"] == 0
+    assert stats["active_bytes.all.peak"] == stats["reserved_bytes.all.peak"] == facts[
+        "max_memory_allocated"] >= report["step"]["tensor_peak_bytes"] > 0
+    assert facts["peak_after_reset"] == stats["allocated_bytes.all.current"]
+    assert facts["import_torch_tpu"].startswith("ModuleNotFoundError: No module named 'torch_tpu'")
+    assert "not emulated" in facts["not_emulated"]
+
+
+def test_a_normal_run_sees_no_tpu_device(runs: dict) -> None:
+    """The emulation stays in compile-only mode: the real 4-rank run in the same environment
+    (tpu-launch, gloo) has no "tpu" device, no torch.tpu, no accelerator, no "tpu" entry in
+    torch's device-backend map."""
+    assert runs["gloo"][0] == 0, runs["gloo"][1]
+    assert sorted(runs["gloo_device"]) == [0, 1, 2, 3]
+    for facts in runs["gloo_device"].values():
+        assert facts == {"torch_tpu": False, "privateuse1": "privateuseone", "accelerator": "cpu",
+                         "tpu_in_device_map": False}
 
 
 def test_report_fields_and_every_program_compiles(runs: dict) -> None:

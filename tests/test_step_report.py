@@ -126,11 +126,20 @@ def test_only_the_first_two_steps_are_measured(own_mode: bool) -> None:
     assert len(_get_current_dispatch_mode_stack()) == 0
 
 
+class _LocalLookup(nn.Embedding):
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = self.weight.to_local()
+        return F.embedding((ids - 25).clamp(0, local.shape[0] - 1), local)
+
+
 def test_dtensor_ops_count_once_on_the_local_shard() -> None:
     """A (64 x 32) @ (32 x 16) matmul with the left operand split in 4 rows blocks over a
     4-rank mesh: each rank multiplies 16 x 32 by 32 x 16, 2 x 16 x 32 x 16 = 16,384 FLOPs (the
     global op is 65,536: counting it too would give 81,920). An embedding lookup of 40 token ids
-    replicated over the 4 ranks credits each rank 10 tokens."""
+    replicated over the 4 ranks credits each rank 10 tokens, as do 40 plain ids (which DTensor
+    replicates over the table's mesh) in a second step, and 40 ids looked up on plain tensors by
+    an nn.Embedding whose table is sharded over the 4 ranks in a third; a fourth looks up 40
+    ids in an FSDP-sharded table (gathered first: data parallelism does not share ids): 40."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -144,16 +153,119 @@ def test_dtensor_ops_count_once_on_the_local_shard() -> None:
         weight = distribute_tensor(torch.randn(100, 8), mesh, [Replicate()])
         ids = distribute_tensor(torch.randint(0, 100, (4, 10)), mesh, [Replicate()])
         done = torch.optim.SGD([nn.Parameter(torch.zeros(1))])
-        with StepMeter(track_memory=False) as meter:
+        with StepMeter(track_memory=False, measure=4) as meter:
             a @ b
             F.embedding(ids, weight)
             done.step()
-        (step,) = meter.steps
+            # Plain ids with a DTensor table (TorchTitan's TP): replicated over its mesh.
+            from torch.distributed.tensor.experimental import implicit_replication
+
+            with implicit_replication():
+                F.embedding(torch.randint(0, 100, (4, 10)), weight)
+            done.step()
+            # TorchTitan's vocab-parallel embedding: an nn.Embedding whose table is sharded
+            # over the mesh looks up every id on its local rows, with plain tensors.
+            table = _LocalLookup(100, 8)
+            table.weight = nn.Parameter(distribute_tensor(table.weight.detach(), mesh, [Shard(0)]))
+            table(torch.randint(0, 100, (4, 10)))
+            done.step()
+            # An FSDP-sharded table is gathered before its lookup: each rank's own 40 ids.
+            from torch.distributed.fsdp import fully_shard
+
+            sharded = fully_shard(nn.Embedding(100, 8), mesh=mesh)
+            sharded(torch.randint(0, 100, (4, 10)))
+            done.step()
+        (step, plain, local, fsdp) = meter.steps
         assert step.flops == 16_384
-        assert step.tokens == 10
+        assert step.tokens == plain.tokens == local.tokens == 10
+        assert fsdp.tokens == 40
         assert step.peak_bytes is None
     finally:
         dist.destroy_process_group()
+
+
+def _flex_step(mask_mod, *, fake_mask: bool, monkeypatch) -> tuple[StepRecord, str | None]:
+    """One step of FlexAttention (forward and backward) over fake q = k = v of batch 1, 4
+    heads of 64, sequence 1,024, under the meter, with a block mask built from real tensors
+    (its block counts hold values) or, with ``fake_mask``, from fake ones."""
+    from torch.nn.attention import flex_attention as fa
+
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    # torch refuses FlexAttention's backward on CPU tensors; fake ones compute nothing.
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    weight = nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([weight], lr=0.1)
+    with LargeTensorsFake(fake_device_types=("cpu",) if fake_mask else ()) as fake, \
+            StepMeter(track_memory=False) as meter:
+        q = torch.randn(1, 4, 1024, 64, requires_grad=True)  # 262,144 elements: fake
+        mask = fa.create_block_mask(mask_mod, 1, None, 1024, 1024, device="cpu")
+        assert isinstance(mask.kv_num_blocks, type(q)) is fake_mask
+        fa.flex_attention(q, q, q, block_mask=mask).sum().backward()
+        optimizer.step()
+    assert fake.faked > 0
+    return meter.steps[-1], meter.error
+
+
+def _causal(b, h, q, kv):
+    return q >= kv
+
+
+def _window_of_128(b, h, q, kv):
+    return (q >= kv) & (q - kv < 128)
+
+
+@pytest.mark.parametrize("mask_mod, fake_mask, blocks", [
+    (_causal, False, 36),
+    (_window_of_128, False, 15),
+    (_window_of_128, True, 36),
+])
+def test_flex_attention_counts_the_blocks_its_mask_computes(mask_mod, fake_mask: bool,
+                                                            blocks: int, monkeypatch) -> None:
+    """FlexAttention (TorchTitan's attention: a higher-order op and its backward, which every
+    mode of the meter must take) counts the (q block, kv block) pairs its block mask computes.
+    Sequence 1,024 in blocks of 128: 8 x 8 pairs. Dense, torch's attention count: forward two
+    matmuls of 2 x 4 heads x 1,024 x 1,024 x 64 = 536,870,912 each, 1,073,741,824; backward
+    five, 2,684,354,560. A causal mask computes 8 x 9 / 2 = 36 pairs (read from the mask's
+    block counts); a window of the last 128 keys 1 + 2 x 7 = 15 (the diagonal block and the
+    one before). A mask built on fake tensors has no values: counted as causal, 36. Model
+    FLOPs (MFU's numerator) are 3 x the dense forward whatever the mask: 3,221,225,472."""
+    record, error = _flex_step(mask_mod, fake_mask=fake_mask, monkeypatch=monkeypatch)
+    assert error is None
+    dense = 1_073_741_824 + 2_684_354_560
+    assert record.flops == 1_073_741_824 * blocks // 64 + 2_684_354_560 * blocks // 64
+    assert record.flops == pytest.approx(dense * blocks / 64)
+    assert record.model_flops == 3 * 1_073_741_824
+
+
+def test_the_causal_block_fraction_is_the_one_flex_attention_builds() -> None:
+    """The causal assumption for fake masks against the block counts FlexAttention builds for
+    a causal mask on real tensors, for square and non-square lengths and block sizes."""
+    from torch.nn.attention import flex_attention as fa
+
+    from tpu_dist.compile_job._op_costs import causal_block_fraction, computed_block_fraction
+
+    for q_len, kv_len, block in [(1024, 1024, 128), (1000, 1000, 128), (256, 1024, 128),
+                                 (512, 512, 64), (384, 384, (128, 64))]:
+        mask = fa.create_block_mask(_causal, 1, None, q_len, kv_len, device="cpu",
+                                    BLOCK_SIZE=block)
+        q_block, kv_block = (block, block) if isinstance(block, int) else block
+        assert computed_block_fraction(mask.as_tuple()) == pytest.approx(
+            causal_block_fraction(q_len, kv_len, q_block, kv_block)), (q_len, kv_len, block)
+
+
+def test_grouped_matmuls_of_experts_are_counted() -> None:
+    """``torch._grouped_mm`` (an MoE's experts): 64 tokens of width 32 in 4 groups of 16, each
+    against its expert's 32 x 16: 2 x 64 x 32 x 16 = 65,536 FLOPs forward; the backward's
+    weight gradient (groups along the contraction: 2-D x 2-D) as many; the tokens take none."""
+    weight = nn.Parameter(torch.randn(4, 32, 16, dtype=torch.bfloat16))
+    tokens = torch.randn(64, 32, dtype=torch.bfloat16)
+    ends = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
+    with StepMeter(track_memory=False) as meter:
+        torch._grouped_mm(tokens, weight, offs=ends).float().sum().backward()
+        torch.optim.SGD([weight]).step()
+    assert meter.steps[-1].flops == 2 * 65_536
+    assert meter.steps[-1].model_flops == 3 * 65_536
 
 
 def _row(op: str, origin: str, est: float | None, temp: int) -> CompiledCall:
@@ -348,6 +460,12 @@ def test_presets_have_the_published_parameter_counts(preset: str, shape_name: st
     with torch.device("meta"):
         model = ex.Decoder(ex.build_config(args))
     assert sum(p.numel() for p in model.parameters()) == 32_762_106_880 == _estimate.QWEN3_32B.params
+    # Qwen3-8B: 36 x (4096 x 4096 x 2 + 4096 x 1024 x 2 + 3 x 4096 x 12288 + 2 x 4096)
+    # + 2 x 151,936 x 4096 + 4096 (untied output; its QK-norm's 36 x 2 x 128 left out).
+    args = ex.parse_args(["--model", "qwen3-8b"], extra=ex._options)
+    with torch.device("meta"):
+        model = ex.Decoder(ex.build_config(args))
+    assert sum(p.numel() for p in model.parameters()) == 8_190_726_144 == _estimate.QWEN3_8B.params
 
 
 def test_layouts_the_model_cannot_take_are_refused_with_what_to_pass() -> None:

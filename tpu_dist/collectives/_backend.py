@@ -80,6 +80,8 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
             tuple(self._global_ranks), device_kind=self._devices[0].device_kind,
         )
         self._pipeline = pipeline
+        # Tensors of these device types are this group's; others go to a delegate (_delegate).
+        self._tensor_device_types = frozenset(getattr(pipeline, "tensor_device_types", ("cpu",)))
         self._timeout = timeout
         self._group_name = ""
         self._group_desc = ""

@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -73,7 +74,7 @@ def check_tensor(op_name: str, tensor: object, what: str = "tensor") -> torch.Te
     """Check that ``tensor`` is a dense CPU tensor of a supported dtype."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{op_name}: {what} must be a torch.Tensor, got {type(tensor).__name__}.")
-    if tensor.device.type != "cpu":
+    if tensor.device.type != "cpu" and not _is_fake(tensor):
         raise ValueError(
             f"{op_name}: {what} is on device {tensor.device}, but the 'tpu' backend "
             "takes CPU tensors (it moves them to its JAX devices itself). Pass "
@@ -91,6 +92,12 @@ def check_tensor(op_name: str, tensor: object, what: str = "tensor") -> torch.Te
             f"backend; supported: {names}."
         )
     return tensor
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """A fake tensor (shape and dtype, no data: compile-only mode's) may be on any device the
+    group takes (its pipeline's ``tensor_device_types``, :mod:`._delegate`): nothing moves."""
+    return isinstance(tensor, FakeTensor)
 
 
 def shares_memory_within(tensor: torch.Tensor) -> bool:

@@ -88,10 +88,13 @@ def create_backend(
 
 
 class DelegatingMixin:
-    """Sends collectives whose tensors are not on the CPU to the group's backend for them."""
+    """Sends collectives whose tensors are not on a device the group takes (the CPU; compile-only
+    mode's pipeline takes its emulated "tpu" device too: ``tensor_device_types``) to the
+    group's backend for them."""
 
     _store: dist.Store | None
     _delegates: dict[str, Any]
+    _tensor_device_types: frozenset[str] = frozenset({"cpu"})
 
     supports_coalescing = False
     """torch's ``batch_isend_irecv`` then issues each op on its own, as for gloo: the group
@@ -154,7 +157,7 @@ def _routed(ours: Callable[..., Any], theirs: str) -> Callable[..., Any]:
     @functools.wraps(ours)
     def method(self: Any, *args: Any) -> Any:
         device_type = _device_type(args)
-        if device_type is None or device_type == "cpu":
+        if device_type is None or device_type in self._tensor_device_types:
             return ours(self, *args)
         return getattr(self._delegate_for(device_type), theirs)(*args)
 

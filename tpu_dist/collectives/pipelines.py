@@ -10,7 +10,10 @@ so it needs nothing of the backend's inside.
 A source is called once per new group, on the rank creating it, with ``(rank, size,
 global_ranks, world_size)`` (group rank, group size, the global rank of each group rank, the
 world's size) and returns ``(devices, pipeline)``: the JAX device of each group rank and an
-object with :class:`GroupPipeline`'s methods.
+object with :class:`GroupPipeline`'s methods. A pipeline may also have ``tensor_device_types``,
+the device types whose tensors the group takes itself (default ``("cpu",)``; others go to the
+backend the group's config names for them): compile-only mode's takes its emulated ``"tpu"``
+device's fake tensors too.
 
 Names: :class:`GroupPipeline` (the protocol), :class:`GroupView` (what a pipeline is told of
 the group), :class:`Plan` / :class:`P2PPlan` (a planned collective / send or receive),

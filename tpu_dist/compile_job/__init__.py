@@ -21,8 +21,8 @@ ranks there), and reports on every collective the script issued. The pieces, in 
    its scratch memory and an estimated time per call (:func:`estimate_seconds`);
    :func:`write_report` writes it as JSON (``--compile-report``).
 5. The measured step (:class:`StepMeter` around the script's run, :func:`step_report`): the
-   FLOPs, tokens and peak tensor memory of the script's last training step (torch's
-   ``FlopCounterMode`` and ``MemTracker`` on the fake tensors) and its collectives' estimated
+   FLOPs, tokens and peak tensor memory of the script's last training step (torch's FLOP
+   formulas, ``_op_costs.op_cost``, and ``MemTracker`` on the fake tensors) and its collectives' estimated
    times, overlappable (FSDP's, DDP's) or on the critical path (DTensor's, the script's): the
    report's ``"step"`` object (compute, exposed communication, a step-time lower bound, MFU
    bound, tokens/s, peak HBM against the generation's: "fits" or "short by X GiB") and a
@@ -30,6 +30,9 @@ ranks there), and reports on every collective the script issued. The pieces, in 
 6. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
    lower bound from the model's FLOPs at the device's peak and the communication that cannot
    overlap compute (pure arithmetic; see ``tpu_dist/compile_job/_estimate.py``).
+7. TorchTPU's ``"tpu"`` device, emulated for scripts written for TorchTPU
+   (:meth:`Session.emulate_tpu_device`, ``tpu_dist/compile_job/_tpu_device.py``): ``"tpu:N"``
+   tensors (fake), ``torch.tpu``, torch's accelerator and c10d backend for ``"tpu"``.
 
 ``TPU_DIST_COMPILE_ONLY=1`` (which ``tpu-launch`` sets) activates the session at ``import
 tpu_dist``. Only the process that runs the script calls any of this; there are no peers. The

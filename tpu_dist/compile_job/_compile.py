@@ -130,6 +130,9 @@ class CompileReport:
     step_error: str | None = None
     """Why no step was measured although the script ran (the step meter failed on something
     the script did: where, and the error; :attr:`~._step.StepMeter.error`), else None."""
+    assumptions: tuple[str, ...] = ()
+    """What the recorded sizes assume where a compile-only run cannot know values (balanced
+    routing: :class:`~._fake.LargeTensorsFake`)."""
 
     @property
     def ok(self) -> bool:
@@ -146,6 +149,7 @@ class CompileReport:
             "compile_seconds": round(self.compile_seconds, 3),
             "step": None if self.step is None else self.step.to_json(),
             "step_error": self.step_error,
+            "assumptions": list(self.assumptions),
             "collectives": [c.to_json() for c in self.collectives],
         }
 
@@ -187,6 +191,8 @@ class CompileReport:
         if self.step_error is not None:
             lines += ["", "step: not measured (the collectives above are complete): the step "
                       f"meter stopped at {self.step_error}"]
+        for assumption in self.assumptions:
+            lines += ["", f"assumed: {assumption}"]
         lines.append("")
         lines.append("group: the group's size; 'N xG': one program for the G groups of N of its "
                      "mesh dimension (a family program). est/call: message size over the "

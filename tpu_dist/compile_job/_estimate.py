@@ -73,6 +73,8 @@ __all__ = [
     "LLAMA3_1_70B",
     "LLAMA3_1_405B",
     "LLAMA3_8B",
+    "QWEN3_8B",
+    "QWEN3_32B",
     "CollectiveTime",
     "DecoderShape",
     "StepCollective",
@@ -279,6 +281,10 @@ LLAMA3_1_70B = DecoderShape(
 LLAMA3_1_405B = DecoderShape(
     name="Llama 3.1 405B", dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248,
     vocab_size=128256,
+)
+QWEN3_8B = DecoderShape(
+    name="Qwen3 8B (without its QK-norm weights)", dim=4096, n_layers=36, n_heads=32,
+    n_kv_heads=8, ffn_dim=12288, vocab_size=151936, attention_head_dim=128,
 )
 QWEN3_32B = DecoderShape(
     name="Qwen3 32B (without its QK-norm weights)", dim=5120, n_layers=64, n_heads=64,

@@ -24,10 +24,26 @@ The rule, per op:
   (the rules above then apply to those).
 
 Reading a fake tensor's value back to Python (``.item()``, ``float(t)``, ``bool(t)``, so also
-printing a loss) gives a placeholder, 0 of the tensor's type, not an error: the values of a
+printing a loss) gives a placeholder, 0 of the tensor's type (unless its values are known:
+below), not an error: the values of a
 compile-only run are not meaningful anyway. What cannot run fake (``.tolist()`` and ``.numpy()``
 of a fake tensor, saving one) raises, and ``tpu-launch --compile-only --tensors real`` runs the
 script with real tensors instead.
+
+**Values that sizes depend on.** Some sizes come from values: an MoE's all-to-all splits are
+its tokens per expert, counted from the router's top-k choices (``.tolist()`` of a count
+tensor). A fake tensor has no values, so the mode follows them where it can: a small integer
+or bool tensor (sizes come from those: counts, indices, masks) made fake from a real one
+(``torch.tensor([...], device="tpu")``), or computed by an op from tensors whose values are
+known (up to 4 Mi elements), keeps its values (computed on the CPU,
+beside the fake one), and reading it back (``.item()``, ``.tolist()``) gives them. Where the
+values cannot be known, one **assumption**: a top-k over values this run does not know (a
+router's scores) picks **balanced**: row ``r`` of ``k`` choices among ``n`` takes
+``(r k + j) mod n``, so every expert gets the same tokens (``rows k / n``), every rank of an
+expert-parallel all-to-all sends and receives the same, and the recorded sizes are those of
+balanced routing (:attr:`LargeTensorsFake.balanced_topk` counts the top-k calls it applied
+to; the compile report says so). Real routing is uneven: the busiest expert's rank moves and
+computes more.
 
 FSDP2's ``fully_shard`` cuts every parameter into one chunk per data-parallel rank
 (``torch.chunk``) and keeps only this rank's: at 2,048 dp ranks that is 2,048 view ops per
@@ -43,13 +59,15 @@ forces that).
 from __future__ import annotations
 
 import inspect
+import math
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
 from tpu_dist.compile_job._step import _is_dtensor_type
 
@@ -57,33 +75,58 @@ __all__ = ["LargeTensorsFake"]
 
 _READ_BACK = torch.ops.aten._local_scalar_dense.default
 """The op behind ``.item()``, ``float(t)``, ``int(t)``, ``bool(t)``."""
+_DETACH = torch.ops.aten.detach.default
+"""The op that makes ``nn.Parameter(t)`` of a tensor subclass (a fake tensor)."""
 
 
 class LargeTensorsFake(TorchDispatchMode):
     """A dispatch mode in which large tensors are fake (module doc). Use as a context manager
-    around the script's run, on the thread that runs it."""
+    around the script's run, on the thread that runs it. Higher-order ops (FlexAttention's)
+    follow the same rules as any op (torch's fake mode has their fake kernels)."""
 
-    def __init__(self, min_elements: int = 1 << 16, *, lazy_fsdp_chunks: bool = True) -> None:
+    supports_higher_order_operators = True
+
+    def __init__(
+        self,
+        min_elements: int = 1 << 16,
+        *,
+        lazy_fsdp_chunks: bool = True,
+        fake_device_types: tuple[str, ...] = (),
+    ) -> None:
         super().__init__()
         self.min_elements = min_elements
         self.lazy_fsdp_chunks = lazy_fsdp_chunks
         """Make FSDP2's per-rank chunks lazily while the mode is active (module docstring)."""
+        self.fake_device_types = frozenset(fake_device_types)
+        """Device types whose every tensor is fake, whatever its size (the emulated ``"tpu"``
+        device: no memory holds its tensors, :mod:`._tpu_device`)."""
         self._restore: Callable[[], None] | None = None
+        self._lift_cpu_only = False
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.faked = 0
         """How many tensors a factory made fake (for the report)."""
         self.placeholders = 0
         """How many values were read back from fake tensors as placeholders."""
+        self.balanced_topk = 0
+        """How many top-k calls over values this run does not know were given balanced
+        indices (module docstring: the balanced-routing assumption)."""
 
     def __enter__(self) -> LargeTensorsFake:
         if self.lazy_fsdp_chunks:
             self._restore = _install_lazy_fsdp_chunks()
+        # torch.tensor(data, device="tpu") makes a CPU tensor, then moves it with every mode
+        # set aside (a real copy the emulated device cannot make), unless told to move it
+        # through the modes, as FakeTensorMode does for CUDA (torch's only_lift_cpu_tensors).
+        self._lift_cpu_only = torch._C._only_lift_cpu_tensors()
+        if self.fake_device_types:
+            torch._C._set_only_lift_cpu_tensors(True)
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         try:
             super().__exit__(*exc)
         finally:
+            torch._C._set_only_lift_cpu_tensors(self._lift_cpu_only)
             restore, self._restore = self._restore, None
             if restore is not None:
                 restore()
@@ -101,12 +144,32 @@ class LargeTensorsFake(TorchDispatchMode):
         tensors = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         if any(isinstance(t, FakeTensor) for t in tensors):
             if func is _READ_BACK:
+                value = _value(tensors[0])
+                if value is not None:
+                    return value.item()
                 self.placeholders += 1
                 return _placeholder(tensors[0].dtype)
             with self.fake:
                 out = func(*args, **kwargs)
-            if func.namespace == "_c10d_functional":
+            if func is _DETACH:
+                _unmemoise(self.fake, out)
+            elif func.namespace == "_c10d_functional":
                 _issue(func, args, out)
+            self._follow_values(func, args, kwargs, out)
+            return out
+        if self.fake_device_types and _places_on(args, kwargs, self.fake_device_types):
+            # An op of real inputs that puts its result on the emulated device (a factory with
+            # device="tpu", t.to("tpu")): every input made fake first, since FakeTensorMode runs
+            # an op of real inputs for real, which the device cannot.
+            real_args, real_kwargs = args, kwargs
+            args, kwargs = tree_map_only(torch.Tensor, self._as_fake, (args, kwargs))
+            with self.fake:
+                out = func(*args, **kwargs)
+            self.faked += 1
+            if tensors or sum(o.numel() for o in tree_leaves(out)
+                              if isinstance(o, torch.Tensor)) < self.min_elements:
+                # A large factory's values are as unknown as on the CPU (a large one is fake)
+                self._follow_values(func, real_args, real_kwargs, out)
             return out
         if not tensors:  # a factory: fake if large
             with self.fake:
@@ -116,6 +179,145 @@ class LargeTensorsFake(TorchDispatchMode):
                 self.faked += len(outputs)
                 return shaped
         return func(*args, **kwargs)
+
+
+    def _as_fake(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if isinstance(tensor, FakeTensor) else self.fake.from_tensor(tensor)
+
+    def _follow_values(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Give ``out``'s small fake tensors their values when every input's is known
+        (module docstring, "Values that sizes depend on")."""
+        outs = [o for o in tree_leaves(out) if isinstance(o, FakeTensor)]
+        if not outs or sum(o.numel() for o in outs) > _MAX_VALUE_ELEMENTS:
+            return
+        if func is _TOPK and _value(args[0]) is None:
+            values, indices = out
+            _set_value(indices, _balanced_indices(indices.shape, args[0].shape, *args[1:3]))
+            self.balanced_topk += 1
+            return
+        if not all(_countable(o.dtype) for o in outs):
+            return
+        if func.namespace == "_c10d_functional":
+            _follow_collective(func, args, out)
+            return
+        if func is _COPY and _value(args[1]) is not None:
+            # Its destination's old values do not matter (a collective's result copied into
+            # its output: the count exchange of an MoE run through c10d).
+            _set_value(out, _value(args[1]).to(out.dtype).expand(out.shape).clone())
+            return
+        if func in _SHAPE_ONLY and _value(args[0]) is None:
+            # Its input gives only a shape and a dtype: any tensor of them stands for it.
+            args = (torch.zeros(args[0].shape, dtype=args[0].dtype), *args[1:])
+        try:
+            real_args, real_kwargs = tree_map(_value_or_self, (args, kwargs))
+        except _Unknown:
+            return
+        real_out = func(*real_args, **real_kwargs)
+        for o, v in zip(tree_leaves(out), tree_leaves(real_out)):
+            if isinstance(o, FakeTensor) and isinstance(v, torch.Tensor):
+                _set_value(o, v)
+
+
+# -- values that sizes depend on (module docstring) -------------------------------------------
+
+_MAX_VALUE_ELEMENTS = 1 << 22
+"""The largest fake output (elements) whose values are followed (a router's one-hot map of
+8,192 tokens over 128 experts is 1 Mi elements)."""
+_TOPK = torch.ops.aten.topk.default
+_COPY = torch.ops.aten.copy_.default
+_SHAPE_ONLY = frozenset(
+    getattr(torch.ops.aten, name).default for name in (
+        "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
+        "new_full", "new_empty")
+)
+"""Ops whose result depends on their first input's shape and dtype only."""
+_VALUE = "_tpu_dist_value"
+"""The attribute of a fake tensor holding its known values (a CPU tensor of its shape): an
+attribute, not a weak-keyed table, since ``Module.to()`` cannot swap a tensor that has weak
+references (:func:`_unmemoise`)."""
+
+
+def _countable(dtype: torch.dtype) -> bool:
+    """Values are followed for integer and bool tensors only: sizes come from them (counts,
+    indices, masks); following floating-point data would compute the model on the CPU."""
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
+class _Unknown(Exception):
+    """An input of the op has no known values."""
+
+
+def _value(tensor: Any) -> torch.Tensor | None:
+    return getattr(tensor, _VALUE, None) if isinstance(tensor, FakeTensor) else None
+
+
+def _set_value(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    if tuple(value.shape) == tuple(tensor.shape) and value.dtype == tensor.dtype:
+        setattr(tensor, _VALUE, value)
+
+
+def _value_or_self(leaf: Any) -> Any:
+    """An op's argument for running it on known values: a fake tensor's values (else
+    :class:`_Unknown`), the CPU for an emulated device, anything else as it is."""
+    if isinstance(leaf, FakeTensor):
+        value = _value(leaf)
+        if value is None:
+            raise _Unknown
+        return value
+    if isinstance(leaf, torch.device) and leaf.type != "cpu":
+        return torch.device("cpu")
+    return leaf
+
+
+def _balanced_indices(shape: torch.Size, source: torch.Size, k: int, dim: int = -1
+                      ) -> torch.Tensor:
+    """Top-k indices as balanced routing picks them: row ``r`` of the ``k`` picked among ``n``
+    (the size of ``dim`` in ``source``) takes ``(r k + j) mod n`` for ``j < k``: every one of
+    the ``n`` picked equally often (``rows k / n`` times, give or take one)."""
+    n = source[dim]
+    rows = math.prod(shape) // max(k, 1)
+    picks = (torch.arange(rows).unsqueeze(1) * k + torch.arange(k)) % max(n, 1)
+    moved = list(shape)
+    moved.append(moved.pop(dim))
+    return picks.reshape(moved).movedim(-1, dim).contiguous()
+
+
+def _follow_collective(func: Any, args: tuple, out: Any) -> None:
+    """A functional collective's result values, as the recording makes them (every rank passed
+    this rank's input: :attr:`tpu_dist.collectives.pipelines.Kind.recorded_output`): its
+    input's values, when the shapes agree (a count exchange: balanced counts are the same on
+    every rank); ``wait_tensor`` passes them on."""
+    source = _value(args[0]) if args else None
+    if source is None:
+        return
+    for o in tree_leaves(out):
+        if isinstance(o, FakeTensor) and o.numel() == source.numel():
+            _set_value(o, source.reshape(o.shape).to(o.dtype))
+
+
+def _unmemoise(mode: FakeTensorMode, out: Any) -> None:
+    """Drop the weak reference torch's fake mode keeps to every fake op output (its converter
+    memoises the output under the fresh meta tensor it wraps, which nothing looks up again),
+    for a detached fake tensor: ``nn.Parameter`` is one, and ``Module.to()`` / ``_apply`` swap
+    fake parameters with ``torch.utils.swap_tensors``, which refuses a tensor with a weak
+    reference (torch 2.13: ``nn.Linear(4, 4).to("cpu")`` fails under a plain
+    ``FakeTensorMode``). So ``model.to(device)`` works on a model with fake parameters."""
+    memo = mode.fake_tensor_converter.meta_converter.tensor_memo
+    for ref in weakref.getweakrefs(out):
+        key = getattr(ref, "key", None)
+        if key is not None and memo.get(key) is out:
+            del memo[key]
+
+
+def _places_on(args: tuple, kwargs: dict, device_types: frozenset[str]) -> bool:
+    """Whether an op's tensors or device arguments are on one of ``device_types``."""
+    for leaf in tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor):
+            if leaf.device.type in device_types:
+                return True
+        elif isinstance(leaf, torch.device) and leaf.type in device_types:
+            return True
+    return False
 
 
 def _issue(func: Any, args: tuple, out: Any) -> None:

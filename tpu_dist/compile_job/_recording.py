@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import threading
 import traceback
 from collections.abc import Callable, Sequence
@@ -134,10 +135,19 @@ class Recorder:
             return list(self.calls.values())
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _OWN_CODE = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # tpu_dist/
     os.path.dirname(os.path.abspath(torch.__file__)),
+    # tpu-launch's entry and torch's autoload hook, beside the package
+    os.path.join(_REPO, "_tpu_dist_launch.py"),
+    os.path.join(_REPO, "_tpu_dist_autoload.py"),
 )
+_STDLIB = tuple(
+    os.path.abspath(sysconfig.get_paths()[name]) + os.sep for name in ("stdlib", "platstdlib")
+)
+"""The standard library's folders. Other installed packages (a framework such as TorchTitan in
+site-packages) are the user's code here: their line is where a collective came from."""
 
 
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -174,10 +184,24 @@ def _origin() -> str:
 
 
 def _user_call_site() -> CallSite | None:
-    """The innermost frame outside tpu_dist, torch and the standard library."""
-    for frame in reversed(traceback.extract_stack()):
+    """The innermost frame outside tpu_dist (and tpu-launch), torch and the standard library
+    (installed packages, a framework's code, count as the script's); on a thread with
+    none, the main thread's (the script's). Autograd runs the backward of a non-CPU device's
+    tensors (the emulated ``"tpu"``'s) on a thread of its own, while the main thread waits in
+    the script's ``loss.backward()``: that line is the call site, as on CPU tensors."""
+    found = _innermost_user_frame(traceback.extract_stack())
+    if found is None and threading.current_thread() is not threading.main_thread():
+        main = sys._current_frames().get(threading.main_thread().ident)
+        if main is not None:
+            found = _innermost_user_frame(traceback.extract_stack(main))
+    return found
+
+
+def _innermost_user_frame(stack: traceback.StackSummary) -> CallSite | None:
+    for frame in reversed(stack):
         path = os.path.abspath(frame.filename)
-        if path.startswith(_OWN_CODE) or "/lib/python" in path or frame.filename.startswith("<"):
+        if path.startswith(_OWN_CODE) or frame.filename.startswith("<") or (
+                path.startswith(_STDLIB) and "site-packages" not in path):
             continue
         return CallSite(path, frame.lineno or 0, (frame.line or "").strip())
     return None
@@ -204,8 +228,13 @@ class RecordingPipeline:
     (:class:`~tpu_dist.compile_job.Session`); the plans it gets are the backend's own.
     """
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, *, tensor_device_types: tuple[str, ...] = ("cpu",)
+                 ) -> None:
         self._recorder = recorder
+        self.tensor_device_types = tensor_device_types
+        """The device types of the tensors the group takes (the backend's group reads it): the
+        CPU, and the emulated ``"tpu"`` device when the run emulates it (its tensors are fake:
+        nothing is moved)."""
 
     def run(self, group: GroupView, plan: Plan, timeout: timedelta, async_op: bool) -> TPUWork:
         """Record ``plan``'s program and complete at once with fake results (module doc)."""

@@ -12,6 +12,7 @@ from tpu_dist.collectives import pipelines
 from tpu_dist.compile_job._compile import CompileReport, Compiler, compile_calls, libtpu_topology
 from tpu_dist.compile_job._recording import RecordedCall, Recorder, RecordingPipeline
 from tpu_dist.compile_job._step import StepMeter, step_report
+from tpu_dist.compile_job._tpu_device import DEVICE_TYPE, DeviceMemory, EmulatedTpu, install
 from tpu_dist.mesh import Topology
 
 
@@ -34,6 +35,8 @@ class Session:
         self._compiler: Compiler | None = None
         self.meter: StepMeter | None = None
         """The step meter around the script's run, if one ran (:meth:`measure_steps`)."""
+        self.tpu_device: EmulatedTpu | None = None
+        """TorchTPU's ``"tpu"`` device as this run emulates it (:meth:`emulate_tpu_device`)."""
 
     # -- the pipeline source ---------------------------------------------------------------
 
@@ -51,7 +54,55 @@ class Session:
         self, rank: int, size: int, global_ranks: list[int], world_size: int
     ) -> tuple[list[Any], RecordingPipeline]:
         _, devices = self.world(world_size)
-        return [devices[r] for r in global_ranks], RecordingPipeline(self.recorder)
+        types = ("cpu", DEVICE_TYPE) if self.tpu_device is not None else ("cpu",)
+        pipeline = RecordingPipeline(self.recorder, tensor_device_types=types)
+        return [devices[r] for r in global_ranks], pipeline
+
+    # -- TorchTPU's device ---------------------------------------------------------------------
+
+    def emulate_tpu_device(self, rank: int) -> EmulatedTpu:
+        """Make ``"tpu"`` a device of this process as TorchTPU does on a host of the world's
+        topology (:mod:`._tpu_device`), for global ``rank``: ``torch.tpu`` reports the host's
+        devices and this rank's (``rank`` modulo the devices of a host, its ``LOCAL_RANK``),
+        its memory statistics read the step meter, and "tpu" groups take fake tensors on
+        ``"tpu"``. Once per process, before the script runs; it cannot be undone.
+
+        Raises:
+            RuntimeError: :meth:`world` was not read yet, tpu_dist's backend is not
+                registered, or another package owns torch's PrivateUse1 device (TorchTPU).
+        """
+        from tpu_dist.collectives import registered_name
+
+        if self._world is None:
+            raise RuntimeError("emulate_tpu_device: call world() first (the topology is not known)")
+        if self.tpu_device is not None:
+            return self.tpu_device
+        name = registered_name()
+        if not name:
+            raise RuntimeError("emulate_tpu_device: tpu_dist's backend is not registered")
+        topology, _ = self._world
+        per_host = topology.num_devices // topology.num_hosts
+        emulation = EmulatedTpu(
+            generation=topology.generation.name,
+            devices_per_host=per_host,
+            local_index=rank % per_host,
+            hbm_bytes=topology.generation.hbm_bytes_per_device,
+            memory=self._device_memory,
+            reset_peak=self._restart_device_peak,
+        )
+        install(emulation, name)
+        self.tpu_device = emulation
+        return emulation
+
+    def _device_memory(self) -> DeviceMemory:
+        if self.meter is None:
+            return DeviceMemory()
+        current, peak = self.meter.device_memory()
+        return DeviceMemory(current=current, peak=peak)
+
+    def _restart_device_peak(self) -> None:
+        if self.meter is not None:
+            self.meter.restart_device_peak()
 
     # -- the world ---------------------------------------------------------------------------
 
@@ -119,8 +170,10 @@ class Session:
 
     def measure_steps(self, *, track_memory: bool = True) -> StepMeter:
         """A :class:`~._step.StepMeter` for the script's run (enter it around the run, inside
-        the fake-tensor mode); :meth:`compile` then reports its last step."""
-        self.meter = StepMeter(self.recorder, track_memory=track_memory)
+        the fake-tensor mode); :meth:`compile` then reports its last step. With the emulated
+        ``"tpu"`` device the step's memory is the bytes on it, if the script puts any there."""
+        device_type = DEVICE_TYPE if self.tpu_device is not None else None
+        self.meter = StepMeter(self.recorder, track_memory=track_memory, device_type=device_type)
         return self.meter
 
     def recorded(self) -> list[RecordedCall]:
@@ -132,9 +185,10 @@ class Session:
         rank: int,
         script_seconds: float = 0.0,
         progress: Callable[[str], None] | None = None,
+        assumptions: Sequence[str] = (),
     ) -> CompileReport:
         """Compile every distinct recorded program for the world's TPU devices and report
-        (:func:`~._compile.compile_calls`).
+        (:func:`~._compile.compile_calls`), with the ``assumptions`` the recorded sizes rest on.
 
         Raises:
             RuntimeError: no "tpu" group was created while the session was active.
@@ -148,6 +202,7 @@ class Session:
         compiler, self._compiler = self._compiler, None
         calls = self.recorded()
         report = compile_calls(calls, topology, rank, script_seconds, progress, compiler)
+        report = dataclasses.replace(report, assumptions=tuple(assumptions))
         if self.meter is not None and self.meter.error is not None:
             return dataclasses.replace(report, step_error=self.meter.error)
         record = self.meter.chosen() if self.meter is not None else None

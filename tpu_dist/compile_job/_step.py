@@ -2,26 +2,31 @@
 
 :class:`StepMeter` wraps the script's run (inside :class:`~._fake.LargeTensorsFake`, so it sees
 fake tensors and costs no memory) and cuts it into steps: **a step ends when an optimizer's
-``step()`` returns** (torch's global optimizer hook), and the next begins there. Per step it
-keeps:
+``step()`` returns** (torch's global optimizer hooks; of optimizers stepped by another's
+``step``, as TorchTitan's container steps its own, the outermost), and the next begins there.
+Per step it keeps:
 
-* **FLOPs**, counted with torch's :class:`~torch.utils.flop_counter.FlopCounterMode` on the ops
-  this rank runs. A DTensor op is counted once, on its local shards: the counter's dispatch
-  mode passes DTensor ops on to DTensor (as torch's ``MemTracker`` does) and counts the local
-  ops DTensor then runs, so the count is per device, not the global op's; the global op that
-  DTensor's sharding propagation runs under a fake mode of its own (to learn the output's
-  shape) is not counted either (MemTracker's rule: only ops under the fake mode that was
-  active when counting began). Without both, a sharded matmul counts 5x its shard's FLOPs on
-  4 ranks (measured, ``tests/test_step_report.py``). CPU attention
-  (``_scaled_dot_product_flash_attention_for_cpu`` and its backward, what the script runs on the
-  host) is counted with torch's own attention formulas, which it lacks for that kernel: the
-  forward's two ``s x s`` matmuls over the whole square (no causal discount, as TorchTitan
-  counts) and a backward of five (it recomputes the scores, as flash attention does on a TPU),
-  so attention counts 7/6 of TorchTitan's analytic ``12 L H d_h s``. With activation
-  checkpointing the recomputed forward is counted too: these are the FLOPs the device executes.
+* **FLOPs**, counted on the ops this rank runs, each priced by :func:`~._op_costs.op_cost`
+  (torch's FLOP formulas and the attention kernels it lacks; the step meter's per-op
+  accounting, in one place). A DTensor op is counted once, on its local shards: the counter's
+  dispatch mode passes DTensor ops on to DTensor (as torch's ``MemTracker`` does) and counts the
+  local ops DTensor then runs, so the count is per device, not the global op's; the global op
+  that DTensor's sharding propagation runs under a fake mode of its own (to learn the output's
+  shape) is not counted either (MemTracker's rule: only ops under the fake mode that was active
+  when counting began). Without both, a sharded matmul counts 5x its shard's FLOPs on 4 ranks
+  (measured, ``tests/test_step_report.py``). Attention kernels (the CPU's flash kernel, the
+  emulated ``"tpu"``'s fused one) count the forward's two ``s x s`` matmuls over the whole
+  square (no causal discount, as TorchTitan counts) and a backward of five (it recomputes the
+  scores, as flash attention does on a TPU), so attention counts 7/6 of TorchTitan's analytic
+  ``12 L H d_h s``; FlexAttention (a higher-order op, which every mode of the meter takes)
+  counts the blocks its block mask computes (a causal mask's when the mask's values are fake:
+  :mod:`._op_costs`). With activation checkpointing the recomputed forward is counted too:
+  these are the FLOPs the device executes.
 * **Tokens**: the token ids that go through the step's embedding lookups (``aten.embedding``),
   over the ranks that share them: a DTensor input replicated over a mesh (tensor parallelism's
-  embedding) counts ``1 / mesh size`` per rank, TorchTitan's tokens per device.
+  embedding) counts ``1 / mesh size`` per rank, as does a lookup on local tensors in the
+  forward of an ``nn.Embedding`` whose table is a DTensor sharded over a mesh (TorchTitan's
+  vocab-parallel embedding): TorchTitan's tokens per device.
 * **Peak tensor bytes**, tracked by torch's :class:`~torch.distributed._tools.mem_tracker.
   MemTracker` (parameters, gradients, optimizer state, activations, temporaries), from the
   step's first module forward (so building the unsharded model before sharding it is not part
@@ -47,21 +52,18 @@ op's own error (the script's) propagates as it would without the meter.
 from __future__ import annotations
 
 import dataclasses
+import math
 from copy import deepcopy
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import (
-    FlopCounterMode,
-    _FlopCounterMode,
-    sdpa_backward_flop_count,
-    sdpa_flop_count,
-)
+from torch._ops import HigherOrderOperator
 
 from tpu_dist.compile_job._compile import _human_bytes, _human_seconds
 from tpu_dist.compile_job._estimate import StepEstimate, step_estimate
+from tpu_dist.compile_job._op_costs import OpCost, has_formula, op_cost
 
 if TYPE_CHECKING:
     from tpu_dist.compile_job._compile import CompiledCall, CompileReport
@@ -71,23 +73,6 @@ if TYPE_CHECKING:
 __all__ = ["StepMeter", "StepRecord", "StepReport", "step_report", "write_step_picture"]
 
 _aten = torch.ops.aten
-
-
-def _cpu_attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
-                   **kwargs: Any) -> int:
-    return sdpa_flop_count(query, key, value)
-
-
-def _cpu_attention_backward(grad_out: Any, query: Any, key: Any, value: Any, *args: Any,
-                            out_shape: Any = None, **kwargs: Any) -> int:
-    return sdpa_backward_flop_count(grad_out, query, key, value)
-
-
-_CPU_ATTENTION = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
-}
-"""torch's attention formulas for the CPU kernel they are not registered for (torch 2.13)."""
 
 
 class _Guard:
@@ -133,12 +118,18 @@ def _is_dtensor_type(t: type) -> bool:
     return issubclass(t, DTensor)
 
 
-class _LocalOpsMode(_FlopCounterMode):
-    """The counter's dispatch mode, leaving DTensor ops to DTensor and counting the local ops
-    it runs (each op once, per device: module docstring)."""
+class _LocalOpsMode(TorchDispatchMode):
+    """The counter's dispatch mode: leaves DTensor ops to DTensor and counts, with
+    :func:`~._op_costs.op_cost`, the local ops it runs (each op once, per device: module
+    docstring). Higher-order ops (FlexAttention's) are counted as one op. An op with no FLOP
+    formula is decomposed, where it can be, into ops that have one (as torch's
+    ``FlopCounterMode`` does)."""
 
-    def __init__(self, counter: _LocalFlops) -> None:
-        super().__init__(counter)
+    supports_higher_order_operators = True
+
+    def __init__(self, counter: _OpCounter) -> None:
+        super().__init__()
+        self.counter = counter
         self.guard = counter.guard
         # As MemTracker does: DTensor's sharding propagation runs the global op under a fake
         # mode of its own to learn the output's shape; that run is not the device's work.
@@ -150,36 +141,63 @@ class _LocalOpsMode(_FlopCounterMode):
             return NotImplemented
         if active_fake_mode() is not self._fake_mode_on_entry:
             return func(*args, **(kwargs or {}))
-        return self.guard.dispatch(lambda: self._count(func, types, args, kwargs), func, args,
+        return self.guard.dispatch(lambda: self._count(func, args, kwargs or {}), func, args,
                                    kwargs)
 
-    def _count(self, func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if func is _aten.embedding.default:
-            self.counter.token_ids += args[1].numel()
+    def _count(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if (not isinstance(func, HigherOrderOperator) and not has_formula(func)
+                and func is not torch.ops.prim.device.default):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **kwargs)
+        self.counter.add(op_cost(func, args, kwargs, out))
         return out
 
 
-class _LocalFlops(FlopCounterMode):
-    """:class:`FlopCounterMode` over local ops only, everything under ``"Global"`` (no module
-    hierarchy: its module hooks cost time at every forward and are not needed here)."""
+def _shared_by(table: Any) -> int:
+    """How many ranks share the ids an ``nn.Embedding``'s forward looks up on plain tensors:
+    those its table is sharded over when the lookup runs (a vocab-parallel embedding on local
+    tensors, TorchTitan's: every rank of the table's tensor-parallel mesh looks up every id).
+    Read at the lookup, when FSDP has gathered the table (its sharding over data-parallel
+    ranks, before the forward, is not one)."""
+    weight = getattr(table, "weight", None)
+    if not _is_dtensor_type(type(weight)):
+        return 1
+    return math.prod(size for size, placement in zip(weight.device_mesh.shape, weight.placements)
+                     if placement.is_shard())
+
+
+class _OpCounter:
+    """The step's op costs summed (:class:`~._op_costs.OpCost`), its mode on torch's mode
+    stack while entered."""
 
     def __init__(self, guard: _Guard) -> None:
-        super().__init__(display=False, custom_mapping=_CPU_ATTENTION)
         self.guard = guard
+        self.flops = 0
+        """FLOPs run (every op, recomputation included)."""
         self.token_ids = 0.0
         """Token ids looked up, each counted over the ranks that share it (module doc)."""
         self.forward_flops = 0
-        """The FLOPs of ops run outside autograd's backward (the forward pass; a recomputed
-        forward under activation checkpointing runs inside the backward and is not here)."""
+        """The model FLOPs of ops run outside autograd's backward (the forward pass; a
+        recomputed forward under activation checkpointing runs inside the backward and is not
+        here)."""
+        self.mode: _LocalOpsMode | None = None
+        self.lookup_table: Any = None
+        """The ``nn.Embedding`` whose forward is running, for the next embedding lookup on
+        plain tensors: the ranks its table is sharded over share the lookup's ids (module doc);
+        used once."""
 
-    def _count_flops(self, func_packet: Any, out: Any, args: tuple, kwargs: dict) -> Any:
-        if func_packet in self.flop_registry and torch._C._current_autograd_node() is None:
-            self.forward_flops += self.flop_registry[func_packet](*args, **kwargs, out_val=out)
-        return super()._count_flops(func_packet, out, args, kwargs)
+    def add(self, cost: OpCost) -> None:
+        self.flops += cost.flops
+        if cost.token_ids:
+            table, self.lookup_table = self.lookup_table, None
+            self.token_ids += cost.token_ids / _shared_by(table)
+        if cost.model_flops and torch._C._current_autograd_node() is None:
+            self.forward_flops += cost.model_flops
 
-    def __enter__(self) -> _LocalFlops:
-        self.flop_counts.clear()
+    def __enter__(self) -> _OpCounter:
         self.mode = _LocalOpsMode(self)
         self.mode.__enter__()
         return self
@@ -191,10 +209,13 @@ class _LocalFlops(FlopCounterMode):
 
 class _DTensorTokens(TorchDispatchMode):
     """Sees an embedding lookup on a DTensor before DTensor runs it, and notes how many ranks
-    share its token ids (a Replicate input over a mesh of n ranks: n); the local lookup then
-    counts ``ids / n`` (:class:`_LocalOpsMode`)."""
+    share its token ids (a Replicate input over a mesh of n ranks: n; plain ids with a DTensor
+    table: the table's mesh, over which DTensor replicates them); the local lookup then counts
+    ``ids / n`` (:class:`_LocalOpsMode`)."""
 
-    def __init__(self, counter: _LocalFlops) -> None:
+    supports_higher_order_operators = True
+
+    def __init__(self, counter: _OpCounter) -> None:
         super().__init__()
         self.counter = counter
 
@@ -206,12 +227,17 @@ class _DTensorTokens(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
     def _lookup(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
-        ids = args[1]
+        self.counter.lookup_table = None  # a DTensor lookup: its sharing is worked out here
+        weight, ids = args[0], args[1]
         shared = 1
         if _is_dtensor_type(type(ids)):
             for size, placement in zip(ids.device_mesh.shape, ids.placements):
                 if placement.is_replicate():
                     shared *= size
+        elif _is_dtensor_type(type(weight)):
+            # Plain ids with a DTensor table (TorchTitan's tensor parallelism): DTensor takes
+            # them as replicated over the table's mesh (implicit replication).
+            shared = weight.device_mesh.size()
         before = self.counter.token_ids
         out = func(*args, **(kwargs or {}))
         added = self.counter.token_ids - before
@@ -219,31 +245,76 @@ class _DTensorTokens(TorchDispatchMode):
         return out
 
 
-def _peak_tracker(guard: _Guard) -> Any:
+def _run_flex_attention_eagerly() -> Any:
+    """Let FlexAttention run under the meter's modes; returns what undoes it.
+
+    Eager ``flex_attention`` compiles its higher-order op with ``torch.compile(...,
+    fullgraph=True)``, and Dynamo traces nothing while a dispatch mode of this kind is active
+    ("non-infra torch dispatch mode present"): the call fails ("found no compiled frames").
+    With torch's ``_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG`` the op is called directly, through
+    the modes, which count it (its debug switch: the values of a compile-only run are not
+    meaningful anyway)."""
+    try:
+        from torch.nn.attention import flex_attention
+    except ImportError:  # pragma: no cover - torch without FlexAttention
+        return None
+    before = getattr(flex_attention, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", None)
+    if before is None or before:
+        return None
+    flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+
+    def restore() -> None:
+        flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = before
+
+    return restore
+
+
+def _peak_tracker(guard: _Guard, device_type: str | None = None) -> Any:
     """A :class:`MemTracker` whose peak can be restarted at a step's start, its dispatch and
-    hooks under ``guard`` (None if torch's tracker is missing)."""
+    hooks under ``guard`` (None if torch's tracker is missing). With ``device_type`` (the
+    emulated ``"tpu"``), the device's memory is the bytes on devices of that type whenever the
+    script put any there (host tensors are not HBM then), else every device's."""
     try:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
     except ImportError:  # pragma: no cover - torch without the tracker
         return None
 
     class _PeakTracker(MemTracker):
+        supports_higher_order_operators = True  # FlexAttention's ops: tracked like any other
+        device_peak = 0
+        """The device's bytes at their peak since :meth:`restart_device_peak`."""
+
         def restart_peak(self) -> None:
             """The peak from now on (what ``__enter__`` does)."""
             snap = self.get_tracker_snapshot("current")
             self._peak_mem_snap = snap
             self._peak_mem = {dev: s[_TOTAL_KEY] for dev, s in snap.items()}
 
+        def _device_snaps(self, snaps: dict) -> list[dict]:
+            """The snapshots that count as the device's (class doc)."""
+            if device_type is not None:
+                mine = [s for dev, s in snaps.items() if dev.type == device_type]
+                if any(s[_TOTAL_KEY] for s in mine):
+                    return mine
+            return list(snaps.values())
+
         def peak(self) -> tuple[int, dict[str, int]]:
-            """Peak bytes over every device since :meth:`restart_peak`, and what they held."""
+            """Peak bytes on the device since :meth:`restart_peak`, and what they held."""
             total, kinds = 0, {}
-            for dev_snap in self._peak_mem_snap.values():
+            for dev_snap in self._device_snaps(self._peak_mem_snap):
                 total += dev_snap[_TOTAL_KEY]
                 for k, v in dev_snap.items():
                     if k != _TOTAL_KEY and v:
                         name = getattr(k, "value", str(k))
                         kinds[name] = kinds.get(name, 0) + v
             return total, kinds
+
+        def device_bytes(self) -> int:
+            """The device's bytes now."""
+            return sum(s[_TOTAL_KEY] for s in self._device_snaps(self._curr_mem_snap))
+
+        def restart_device_peak(self) -> None:
+            self.device_peak = self.device_bytes()
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             # The overall peak only: MemTracker's per-module peaks look at every module on
@@ -252,6 +323,8 @@ def _peak_tracker(guard: _Guard) -> Any:
                 if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = deepcopy(dev_snap)
+            if device_type is not None:
+                self.device_peak = max(self.device_peak, self.device_bytes())
 
         def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
             def run() -> None:
@@ -263,17 +336,26 @@ def _peak_tracker(guard: _Guard) -> Any:
 
             guard.hook("MemTracker's pre-forward hook", run)
 
+        # The three hooks below keep per-module snapshots only (not reported here). A module
+        # whose stats were reset within the step has none to add to: a module run again at the
+        # top level in one step (TorchTitan's chunked loss runs the final norm and the output
+        # projection chunk by chunk) resets every module's stats (_pre_fw_hook above), and the
+        # modules whose forward ran before then reach their backward untracked.
+
         def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
-            guard.hook("MemTracker's post-forward hook",
-                       lambda: super(_PeakTracker, self)._post_fw_hook(module, inputs, outputs))
+            if module in self.memory_tracking:
+                guard.hook("MemTracker's post-forward hook", lambda: super(
+                    _PeakTracker, self)._post_fw_hook(module, inputs, outputs))
 
         def _pre_bw_hook(self, module: Any, args: Any) -> None:
-            guard.hook("MemTracker's pre-backward hook",
-                       lambda: super(_PeakTracker, self)._pre_bw_hook(module, args))
+            if module in self.memory_tracking:
+                guard.hook("MemTracker's pre-backward hook",
+                           lambda: super(_PeakTracker, self)._pre_bw_hook(module, args))
 
         def _post_bw_hook(self, module: Any, args: Any) -> None:
-            guard.hook("MemTracker's post-backward hook",
-                       lambda: super(_PeakTracker, self)._post_bw_hook(module, args))
+            if module in self.memory_tracking:
+                guard.hook("MemTracker's post-backward hook",
+                           lambda: super(_PeakTracker, self)._post_bw_hook(module, args))
 
         def _track_optimizer_states(self, *args: Any) -> None:
             guard.hook("MemTracker's optimizer-state tracking",
@@ -323,12 +405,16 @@ class StepMeter:
         recorder: The session's recorder; its :attr:`~._recording.Recorder.step` is advanced
             at each step's end.
         track_memory: Track tensor bytes with MemTracker (default True).
+        device_type: The device whose bytes are the step's memory when the script puts
+            tensors on it (the emulated ``"tpu"``: host tensors are then not counted); None:
+            every device's (a script on CPU tensors, which stand for the device's).
         measure: How many steps to measure (default 2: the first may build lazily what the
             others reuse); the later ones are only counted.
     """
 
     def __init__(
-        self, recorder: Recorder | None = None, *, track_memory: bool = True, measure: int = 2
+        self, recorder: Recorder | None = None, *, track_memory: bool = True, measure: int = 2,
+        device_type: str | None = None,
     ) -> None:
         self.recorder = recorder
         self.steps: list[StepRecord] = []
@@ -337,18 +423,25 @@ class StepMeter:
         """Steps the script completed (measured or not)."""
         self._measure = measure
         self._guard = _Guard()
-        self._flops = _LocalFlops(self._guard)
+        self._flops = _OpCounter(self._guard)
         self._tokens = _DTensorTokens(self._flops)
-        self._memory = _peak_tracker(self._guard) if track_memory else None
+        self._memory = _peak_tracker(self._guard, device_type) if track_memory else None
         self._hooks: list[Any] = []
         self._flops_at_start = 0
         self._forward_flops_at_start = 0
         self._tokens_at_start = 0.0
         self._fresh = True  # no module forward yet in this step
+        self._flex_eager: Any = None
+        self._optimizers_stepping = 0
+        """Optimizer steps running (nested: TorchTitan's container is an optimizer whose
+        ``step`` steps each of its optimizers; only the outermost ends a training step)."""
 
     def __enter__(self) -> StepMeter:
         from torch.nn.modules.module import register_module_forward_pre_hook
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
         # The token mode on top: it must see a DTensor lookup before MemTracker (which passes
         # DTensor ops on to DTensor unseen by the modes below it) does.
@@ -357,15 +450,20 @@ class StepMeter:
             self._memory.__enter__()
         self._tokens.__enter__()
         self._hooks = [
+            register_optimizer_step_pre_hook(self._step_starting),
             register_optimizer_step_post_hook(self._step_done),
             register_module_forward_pre_hook(self._forward),
         ]
+        self._flex_eager = _run_flex_attention_eagerly()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        restore, self._flex_eager = self._flex_eager, None
+        if restore is not None:
+            restore()
         self._tokens.__exit__(*exc)
         if self._memory is not None:
             self._memory.__exit__(*exc)
@@ -377,15 +475,23 @@ class StepMeter:
         return self._guard.error
 
     def _forward(self, module: Any, inputs: Any) -> None:
-        self._guard.hook("the step meter's forward hook", lambda: self._forward_body())
+        self._guard.hook("the step meter's forward hook", lambda: self._forward_body(module))
 
-    def _forward_body(self) -> None:
+    def _forward_body(self, module: Any) -> None:
+        if isinstance(module, torch.nn.Embedding):
+            self._flops.lookup_table = module
         if self._fresh:
             self._fresh = False
             if self._memory is not None:
                 self._memory.restart_peak()
 
+    def _step_starting(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizers_stepping += 1
+
     def _step_done(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self._optimizers_stepping = max(0, self._optimizers_stepping - 1)
+        if self._optimizers_stepping:
+            return  # an optimizer stepped by another's step: the outer one ends the step
         self.steps_run += 1
         if self.recorder is not None:
             self.recorder.step = self.steps_run
@@ -396,7 +502,7 @@ class StepMeter:
             self._guard.done = True  # from here on every mode and hook passes through
 
     def _step_done_body(self) -> None:
-        flops = self._flops.get_total_flops()
+        flops = self._flops.flops
         forward = self._flops.forward_flops
         tokens = self._flops.token_ids
         peak, kinds = self._memory.peak() if self._memory is not None else (None, {})
@@ -412,6 +518,19 @@ class StepMeter:
             # The next forward of the root module is a new step, not the error MemTracker
             # raises for a module run twice.
             self._memory.reset_mod_stats()
+
+    def device_memory(self) -> tuple[int, int]:
+        """The tensor bytes on the device now and at their peak since
+        :meth:`restart_device_peak` (0, 0 without memory tracking): what the emulated
+        ``torch.tpu.memory_stats()`` reports. Frozen once the measured steps are done."""
+        if self._memory is None:
+            return 0, 0
+        return self._memory.device_bytes(), self._memory.device_peak
+
+    def restart_device_peak(self) -> None:
+        """The peak of :meth:`device_memory` from now on (``reset_peak_memory_stats``)."""
+        if self._memory is not None:
+            self._memory.restart_device_peak()
 
     def chosen(self) -> StepRecord | None:
         """The step the report describes: the last one measured (None: no optimizer step, or
@@ -537,9 +656,10 @@ class StepReport:
 
 
 STEP_RULES = (
-    "flops: FlopCounterMode on this rank's local ops (DTensor ops once, on their shards; "
-    "attention without causal discount, backward recomputing the scores; recomputation under "
-    "activation checkpointing included); compute_seconds: flops at the device's peak bf16 "
+    "flops: torch's FLOP formulas on this rank's local ops (DTensor ops once, on their shards; "
+    "attention without causal discount, backward recomputing the scores; FlexAttention over "
+    "the blocks its block mask computes, a causal mask's when its values are fake; "
+    "recomputation under activation checkpointing included); compute_seconds: flops at the device's peak bf16 "
     "rate; collectives: each call's est_seconds, FSDP's and DDP's overlappable (hidden up to "
     "compute_seconds), DTensor's (tensor parallelism) and the script's own on the critical "
     "path; step_seconds = compute + exposed, a lower bound; mfu_bound = model_flops / "

@@ -256,6 +256,17 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "tensors (needs their memory).",
     )
     group.add_argument(
+        "--tpu-device",
+        "--tpu_device",
+        choices=("emulate", "none"),
+        default="emulate",
+        help="With --compile-only: 'emulate' (default) gives the script TorchTPU's 'tpu' device, "
+        "as on a pod where TorchTPU is installed: 'tpu' tensors (fake: no data), the torch.tpu "
+        "module, torch's accelerator and c10d backend for 'tpu' (the recording group), without "
+        "TorchTPU (not loaded even if installed) and without a TPU; a script that never uses "
+        "it runs as before. 'none': no such device (a pod without TorchTPU).",
+    )
+    group.add_argument(
         "--compile-report",
         "--compile_report",
         default=None,
@@ -368,7 +379,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             code = run_compile_only(
                 spec, environ, rank=args.compile_rank, report=args.compile_report,
-                tensors=args.tensors,
+                tensors=args.tensors, tpu_device=args.tpu_device,
             )
         except ValueError as err:
             sys.stderr.write(f"tpu-launch: error: {err}\n")

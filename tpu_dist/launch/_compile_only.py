@@ -36,6 +36,7 @@ bad request (nothing started), and when libtpu is missing or cannot describe the
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import shutil
 import signal
@@ -82,8 +83,12 @@ def run_compile_only(
     rank: int,
     report: str | None,
     tensors: str = "fake",
+    tpu_device: str = "emulate",
 ) -> int:
     """Run the compile-only process for ``spec`` as global ``rank``; returns the exit code.
+
+    ``tpu_device``: ``"emulate"`` gives the script TorchTPU's ``"tpu"`` device
+    (:mod:`tpu_dist.compile_job._tpu_device`), ``"none"`` does not.
 
     Raises:
         ValueError: not an emulated topology, a non-Python entry point, or a rank outside the
@@ -109,10 +114,17 @@ def run_compile_only(
         # writing them costs time and every later read warns.
         JAX_ENABLE_COMPILATION_CACHE="false",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
+        # A gloo backend named first in a per-device config ("cpu:gloo,tpu:tpu") would wait for
+        # the world's absent ranks when created; lazily it never connects (the recording group,
+        # named next, serves the group).
+        TORCH_GLOO_LAZY_INIT=env.get("TORCH_GLOO_LAZY_INIT", "1"),
     )
     logs = None
     if _LIBTPU_LOG_DIR not in env:  # libtpu's default, /tmp/tpu_logs, is every user's
         logs = env[_LIBTPU_LOG_DIR] = tempfile.mkdtemp(prefix="tpu_dist_libtpu_logs_")
+    if tpu_device == "emulate" and importlib.util.find_spec("torch_tpu") is not None:
+        # TorchTPU loads inside `import torch` on a TPU host; the job emulates its device.
+        env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
     entry = spec.entry
     mode = "module" if entry.kind == "module" else "python"
     done_r, done_w = os.pipe()
@@ -121,6 +133,8 @@ def run_compile_only(
         args += ["--report", os.path.abspath(report)]
     if tensors == "real":
         args += ["--real-tensors"]
+    if tpu_device != "emulate":
+        args += ["--no-tpu-device"]
     args += [mode, entry.target, *entry.args]
     try:
         proc = None
@@ -226,13 +240,15 @@ _LATE_VARS = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
     "TORCHELASTIC_RESTART_COUNT", "ALLOW_MULTIPLE_LIBTPU_LOAD", _settings.COMPILE_ONLY.env,
     "JAX_ENABLE_COMPILATION_CACHE", "JAX_PLATFORMS", "OMP_NUM_THREADS", "GLIBC_TUNABLES",
+    "TORCH_GLOO_LAZY_INIT",
     _settings.TOPOLOGY.env, _settings.NUM_SLICES.env, _settings.PLATFORM.env,
 })
 """What the compile-only job's environment may set differently from the launcher's for the
 launcher to run it itself: read after start-up (elastic's rank variables, tpu_dist's topology
 and platform, JAX's and libtpu's, read when JAX is first imported, after this), applied by
 hand (``OMP_NUM_THREADS``) or without effect here (``GLIBC_TUNABLES``, read only when a
-process starts, tunes the allocator for large real buffers: compile-only moves no data)."""
+process starts, tunes the allocator for large real buffers: compile-only moves no data), or read
+when a gloo backend is made (``TORCH_GLOO_LAZY_INIT``)."""
 
 
 def _in_process_ok(python: str, env: Mapping[str, str], environ: Mapping[str, str]) -> bool:
@@ -346,8 +362,8 @@ def _run_script(mode: str, target: str, args: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tpu_dist.launch._compile_only [--done-fd FD] [--report FILE]
-    [--real-tensors] {python|module} TARGET ARGS...``; with ``--done-fd``, writes one byte to
+    """``python -m tpu_dist.launch._compile_only [--done-fd FD] [--report FILE] [--real-tensors]
+    [--no-tpu-device] {python|module} TARGET ARGS...``; with ``--done-fd``, writes one byte to
     FD once the run finished (the launcher's sign that it was not cut short)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     done_fd = None
@@ -363,11 +379,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    report_path, real_tensors = None, False
+    report_path, real_tensors, tpu_device = None, False, True
     if argv[:1] == ["--report"]:
         report_path, argv = argv[1], argv[2:]
     if argv[:1] == ["--real-tensors"]:
         real_tensors, argv = True, argv[1:]
+    if argv[:1] == ["--no-tpu-device"]:
+        tpu_device, argv = False, argv[1:]
     if len(argv) < 2 or argv[0] not in ("python", "module"):
         print(__doc__, file=sys.stderr)
         return 2
@@ -388,6 +406,8 @@ def _run(argv: list[str]) -> int:
     try:
         session.start_compiler(current_topology(world))
         session.world(world)
+        if tpu_device:
+            session.emulate_tpu_device(rank)
     except (RuntimeError, ValueError) as err:
         session.stop_compiler()
         print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
@@ -402,21 +422,27 @@ def _run(argv: list[str]) -> int:
     )
     store = _serve_store()
     started = time.monotonic()
-    if real_tensors:
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    emulated = ("tpu",) if tpu_device else ()
+    fake = None
+    if real_tensors and not emulated:
         with compile_job.refusing_saves() as refused, session.measure_steps():
             code = _run_script(mode, target, args)
     else:
-        from tpu_dist.compile_job import LargeTensorsFake
-
-        with compile_job.refusing_saves() as refused, LargeTensorsFake() as fake, \
+        # Tensors on the emulated device are fake whatever their size (no memory holds them);
+        # with --tensors real only those.
+        threshold = sys.maxsize if real_tensors else 1 << 16
+        with compile_job.refusing_saves() as refused, \
+                LargeTensorsFake(threshold, fake_device_types=emulated) as fake, \
                 session.measure_steps():
             code = _run_script(mode, target, args)
         print(
-            f"tpu-launch --compile-only: ran with fake tensors ({fake.faked} made fake, "
-            f"{fake.placeholders} value(s) read back as 0)",
+            f"tpu-launch --compile-only: ran with {'real' if real_tensors else 'fake'} tensors "
+            f"({fake.faked} made fake, {fake.placeholders} value(s) read back as 0)",
             file=sys.stderr,
         )
-        if code:
+        if code and not real_tensors:
             print(
                 "tpu-launch --compile-only: the script failed with fake tensors (large tensors "
                 "hold no data in this mode; the error is above). If it needs real values, run "
@@ -430,8 +456,15 @@ def _run(argv: list[str]) -> int:
             f"written: {', '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}",
             file=sys.stderr,
         )
+    assumptions = []
+    if fake is not None and fake.balanced_topk:
+        assumptions.append(
+            f"balanced routing: {fake.balanced_topk} top-k call(s) over values this run does not "
+            "know (a router's scores) picked every choice equally often, and the sizes that "
+            "follow from them (an MoE's tokens per expert, its all-to-all splits) are those of "
+            "balanced routing; real routing is uneven")
     try:
-        report = session.compile(rank, script_seconds)
+        report = session.compile(rank, script_seconds, assumptions=assumptions)
     except RuntimeError as err:
         print(f"tpu-launch --compile-only: {err}", file=sys.stderr)
         return code or 1
