@@ -197,6 +197,33 @@ def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
     assert empty.then([torch.tensor([0, 0])]).key is None
 
 
+def test_size_buckets_are_few_and_pad_by_at_most_a_quarter() -> None:
+    assert [_plan.size_bucket(n) for n in range(1, 18)] == [
+        1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
+    sizes = range(1, 1 << 16)
+    buckets = {_plan.size_bucket(n) for n in sizes}
+    assert len(buckets) <= 4 * 16
+    assert all(n <= _plan.size_bucket(n) <= 1.25 * n for n in sizes)
+    assert all(_plan.size_bucket(b) == b for b in buckets)  # a bucket is its own bucket
+
+
+def test_uneven_all_to_all_pads_the_agreed_width_to_its_bucket() -> None:
+    # rank 0 of 2 sends 9 rows to rank 1 and 2 to itself; the widest chunk agreed is 11
+    # (another rank's), padded to 12: every width from 11 to 12 runs one program.
+    x = torch.arange(11, dtype=torch.int32)
+    out = torch.zeros(5, dtype=torch.int32)
+    plan = _plan.all_to_all_single(CPU2, out, x, [2, 3], [2, 9])
+    padded = plan.then(plan.finish([torch.tensor([11, 0])]))
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((24, "int32"),), (), "xla")
+    rows = padded.blocks[0].view(2, 12)
+    assert rows[0].tolist() == [0, 1] + [0] * 10 and rows[1].tolist() == list(range(2, 11)) + [0] * 3
+    got = torch.zeros(2, 12, dtype=torch.int32)
+    got[0, :2] = torch.tensor([0, 1])
+    got[1, :3] = torch.tensor([20, 21, 22])
+    padded.finish([got.view(-1)])
+    assert out.tolist() == [0, 1, 20, 21, 22]
+
+
 def test_uneven_all_to_all_of_bf16_pads_its_rows_to_32_bit_words() -> None:
     # rank 0 of 2 sends 1 element to itself and 2 to rank 1; the widest chunk agreed is 3
     # elements, padded to 4 (two 32-bit words a row); rank 1 sent it 3.

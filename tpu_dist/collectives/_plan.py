@@ -1056,11 +1056,10 @@ def _single_parts(
     out_words = words(output) if output.is_contiguous() else None
 
     def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        joined = torch.cat(recv_chunks)
-        if out_words is not None and out_words.data_ptr() != joined.data_ptr():
-            out_words.copy_(joined)
+        if out_words is not None:  # straight into the output: no output-sized temporary
+            torch.cat(recv_chunks, out=out_words)
         else:
-            write(output, joined)
+            write(output, torch.cat(recv_chunks))
         return [output]
 
     return send_chunks, [r * row for r in recv], finish
@@ -1104,6 +1103,23 @@ def _list_parts(
     return send_chunks, recv_counts, _writes(output_tensors)
 
 
+def size_bucket(n: int) -> int:
+    """``n`` rounded up to the next of 1, 2, ..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...:
+    four sizes per doubling from 8 on (the three leading bits of ``n - 1`` kept, the rest
+    rounded up), so sizes from 1 to ``N`` fall in at most ``4 * log2(N)`` buckets and the
+    padding adds at most a quarter (5 for 4 + 1 after 4, an eighth on average).
+
+    An uneven all-to-all's chunk width (:func:`_uneven_all_to_all`) follows the data (the
+    tokens a router sends to each expert, packed sequences), and each new width would be a new
+    program: a mixture of experts compiled 61 programs in 10 steps (issue 51); with widths
+    bucketed it compiles a few per all-to-all shape (benchmarks/README.md, E56).
+    """
+    if n <= 8:
+        return n
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
 def _uneven_all_to_all(
     group: GroupView,
     op: str,
@@ -1118,7 +1134,8 @@ def _uneven_all_to_all(
     largest chunk (so every rank compiles the same padded program) and on whether any rank
     rejected its arguments (then every rank fails the call there, :class:`Plan`; the verdict
     is the rejecting group rank + 1, so the highest one is named), then the padded all-to-all
-    (:attr:`Plan.then`).
+    (:attr:`Plan.then`). The agreed width is rounded up to its :func:`size_bucket`, so that
+    widths that follow the data reuse a few programs.
     """
     size = group.size
     local_max = max([c.numel() for c in send_chunks] + recv_counts) if send_chunks else 0
@@ -1139,7 +1156,7 @@ def _uneven_all_to_all(
         # bytes more padding a chunk, decided by the agreed width and the dtype alone.
         word = send_chunks[0].dtype
         ratio = _per_word32(send_chunks[0])
-        width = -(-width // ratio) * ratio
+        width = -(-size_bucket(width) // ratio) * ratio
         rows = send_chunks[0].new_zeros(size, width)
         for peer, chunk in enumerate(send_chunks):
             rows[peer, : chunk.numel()] = chunk
