@@ -14,8 +14,9 @@ that after every optimizer step it notes its resident memory (``VmRSS``) and its
 * with ``--programs``: the "tpu" backend's programs built (``compile_count()``) and what its
   caches hold, per rank.
 
-A watchdog guards the machine: the script sums the RSS of every process the launcher started
-and kills them all (SIGKILL) when the sum passes ``--limit-gib`` (default 10), and says so.
+A watchdog guards the machine (``benchmarks/memory_guard.py``): the script sums the RSS of
+every process the launcher started and kills them all (SIGKILL) when the sum passes
+``--limit-gib`` (default 10), and says so.
 
     python benchmarks/rank_memory.py --nproc 2                           # train_fsdp.py, 10 steps
     python benchmarks/rank_memory.py --nproc 4 --tensors -- --steps 10 --dim 256 --layers 4
@@ -32,13 +33,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_guard  # noqa: E402  (benchmarks/memory_guard.py)
 
 
 # -- inside each rank ----------------------------------------------------------------------------
@@ -155,9 +157,10 @@ def worker(out_dir: str, example: str, example_args: list[str], tensors: bool) -
 
         runtime = _runtime.get()
         record["programs"] = runtime.programs.compilations
-        held = getattr(runtime.programs, "held", None)
-        if callable(held):
-            record["held"] = held()
+        info = getattr(runtime.programs, "info", None)  # what the program cache holds
+        if callable(info):
+            held = info()
+            record["held"] = f"{held.programs} programs, {held.bytes / 2**20:.1f} MiB"
     with open(os.path.join(out_dir, f"{backend}-rank{rank}.json"), "w") as f:
         json.dump(record, f)
     if hasattr(module, "leave"):
@@ -165,37 +168,6 @@ def worker(out_dir: str, example: str, example_args: list[str], tensors: bool) -
 
 
 # -- the parent: launch, guard, report ---------------------------------------------------------
-
-
-def _children_of(root: int) -> list[int]:
-    """``root`` and every process below it (from /proc's parent links)."""
-    parents: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(parents.get(pid, []))
-    return found
-
-
-def _rss_kib(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def run_once(backend: str, nproc: int, example: str, example_args: list[str], out_dir: str,
@@ -216,24 +188,11 @@ def run_once(backend: str, nproc: int, example: str, example_args: list[str], ou
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        killed, max_sum, start = False, 0, time.monotonic()
-        while proc.poll() is None:
-            pids = _children_of(proc.pid)
-            total = sum(_rss_kib(p) for p in pids)
-            max_sum = max(max_sum, total)
-            if total > limit_kib or time.monotonic() - start > timeout:
-                killed = True
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-                proc.wait()
-                break
-            time.sleep(0.2)
+        guarded = memory_guard.run_guarded(proc, limit_kib, timeout)
     with open(log_path) as f:
         text = f.read()
-    return {"exit": proc.returncode, "killed": killed, "max_sum_kib": max_sum, "log": text}
+    return {"exit": proc.returncode, "killed": guarded["killed"],
+            "max_sum_kib": guarded["max_sum_kib"], "log": text}
 
 
 def _gib(kib: float) -> str:
@@ -315,7 +274,8 @@ def main() -> None:
                 with open(os.path.join(a.log_dir, f"{backend}-{rep + 1}.log"), "w") as f:
                     f.write(run["log"])
             if run["exit"] != 0 or len(records) != a.nproc:
-                why = "killed by the watchdog" if run["killed"] else f"exit {run['exit']}"
+                why = (f"killed by the watchdog: {run['killed']}" if run["killed"]
+                       else f"exit {run['exit']}")
                 print(f"  {backend} run {rep + 1}: FAILED ({why}; largest sum of RSS "
                       f"{_gib(run['max_sum_kib'])} GiB, {len(records)} rank records)\n"
                       + run["log"][-2500:], flush=True)

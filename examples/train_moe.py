@@ -326,9 +326,20 @@ def token_stream(args, config: MoEConfig) -> torch.Tensor:
     return torch.randint(0, config.vocab_size, (max(4 * (args.seq_len + 1), 1 << 16),), generator=g)
 
 
+def apply_fsdp(model: MoEDecoder, experts_mesh, mesh, policy) -> None:
+    """FSDP2 over ``mesh`` (every rank) for all but the experts, which are sharded over
+    ``experts_mesh`` (the ranks that hold the same experts: dp)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer.moe.experts, mesh=experts_mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def main(argv: list[str] | None = None) -> str:
     """Train; return the backend the group ran on (the group is destroyed by then)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     args = parse_args(argv, __doc__, extra=_options)
     config = build_config(args)
@@ -356,10 +367,7 @@ def main(argv: list[str] | None = None) -> str:
         param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
         reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None,
     )
-    for layer in model.layers:
-        fully_shard(layer.moe.experts, mesh=mesh["dp"], mp_policy=policy)
-        fully_shard(layer, mesh=everyone, mp_policy=policy)
-    fully_shard(model, mesh=everyone, mp_policy=policy)
+    apply_fsdp(model, mesh["dp"], everyone, policy)
     if rank == 0:
         print(f"FSDP2 x EP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "
               f"model {args.model or 'small'} ({params / 1e6:.4g} M parameters, "
