@@ -651,6 +651,20 @@ def _alltoall(size: int):
     return body
 
 
+def _alltoall_permute(size: int):
+    # Block k - 1 is this rank's chunk for rank (i + k) mod size; the k-th collective-permute
+    # sends it there, so result k - 1 is what rank (i - k) mod size sent this rank
+    # (_plan.permute_blocks). Blocks are separate arguments, so XLA copies nothing around the
+    # sends (its all-to-all slices one block into chunks and joins the received ones).
+    def body(*blocks):
+        return tuple(
+            lax.ppermute(x, AXIS, perm=[(i, (i + k) % size) for i in range(size)])
+            for k, x in enumerate(blocks, 1)
+        )
+
+    return body
+
+
 def _broadcast(size: int, root: int, checked: bool = False):
     # Integer words: only the root contributes non-zeros, so the sum is its exact bits. With
     # ``checked`` the last block is a header every rank contributes to (the backend's check
@@ -701,6 +715,10 @@ _DIRECT_BODIES: dict[Kind, Callable] = {
     Kind.REDUCE_SCATTER: _reduce_scatter_direct,
 }
 
+_PERMUTE_BODIES: dict[Kind, Callable] = {
+    Kind.ALLTOALL: _alltoall_permute,
+}
+
 _GATHER_REDUCE_BODIES: dict[Kind, Callable] = {
     Kind.ALLREDUCE: functools.partial(_allreduce, gather_min_max=True),
 }
@@ -721,4 +739,5 @@ _ALGORITHMS: dict[str | None, dict[Kind, Callable]] = {
     "xla": _BODIES,
     "exchange": _DIRECT_BODIES,
     "gather_reduce": _GATHER_REDUCE_BODIES,
+    "permute": _PERMUTE_BODIES,
 }
