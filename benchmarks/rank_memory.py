@@ -145,7 +145,9 @@ def worker(out_dir: str, example: str, example_args: list[str], tensors: bool) -
         sys.stderr.flush()
         print(f"malloc_stats of rank {rank}:", file=sys.stderr, flush=True)
         ctypes.CDLL("libc.so.6").malloc_stats()
-    record = {"rank": rank, "backend": backend, "steps": steps,
+    import tpu_dist
+
+    record = {"rank": rank, "backend": backend, "steps": steps, "package": tpu_dist.__file__,
               "peak_kib": _status_kib("VmHWM"),
               "before_kib": first.get("rss_kib", 0), "wall_s": time.perf_counter() - began}
     if meter is not None and meter.chosen() is not None:

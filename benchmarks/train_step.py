@@ -83,7 +83,7 @@ def _moe_model(moe, args, group: dist.ProcessGroup, backend: str, policy):
                                  mesh_dim_names=("dp", "ep"))
     everyone = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp_ep",))
     torch.manual_seed(args.seed)
-    model = moe.MoEDecoder(moe.build_config(args), ep_group, rank % ep, ep, args.seed)
+    model = moe.moe_decoder(moe.build_config(args), ep_group, rank % ep, ep, args.seed)
     moe.apply_fsdp(model, mesh["dp"], everyone, policy)
     return model
 

@@ -65,16 +65,17 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_fsdp import (  # noqa: E402
     Attention,
+    Decoder,
     ModelConfig,
     RMSNorm,
-    corpus,
     describe_mesh,
+    end,
     global_batch_size,
     leave,
     parse_args,
-    report_final,
     train,
 )
+from train_fsdp_tp import token_stream  # noqa: E402
 
 import tpu_dist  # noqa: E402,F401  (registers the "tpu" backend)
 from tpu_dist.mesh import init_device_mesh, register_mesh  # noqa: E402
@@ -268,28 +269,12 @@ class Block(nn.Module):
         return h + self.moe(self.ffn_norm(h))
 
 
-class MoEDecoder(nn.Module):
-    def __init__(self, config: MoEConfig, ep_group: dist.ProcessGroup | None, ep_rank: int,
-                 ep: int, seed: int) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(
-            Block(config, MoE(config, ep_group, ep_rank, ep, i, seed))
-            for i in range(config.n_layers)
-        )
-        self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
-        for name, p in self.named_parameters():
-            if p.dim() == 2:
-                std = 0.02 / math.sqrt(2 * config.n_layers) if name.endswith("wo.weight") else 0.02
-                nn.init.normal_(p, std=std)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h))
+def moe_decoder(config: MoEConfig, ep_group: dist.ProcessGroup | None, ep_rank: int, ep: int,
+                seed: int) -> Decoder:
+    """``train_fsdp.py``'s decoder with a :class:`MoE` in every block, this ep rank's experts."""
+    blocks = [Block(config, MoE(config, ep_group, ep_rank, ep, i, seed))
+              for i in range(config.n_layers)]
+    return Decoder(config, blocks)
 
 
 # -- training -------------------------------------------------------------------------------
@@ -305,6 +290,8 @@ def _options(parser) -> None:
                         help="a model of published dimensions (module docstring)")
     parser.add_argument("--seqs-per-rank", type=int, default=None,
                         help="sequences per rank per step (instead of --batch-size)")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="random tokens instead of the bundled text")
 
 
 def build_config(args) -> MoEConfig:
@@ -316,17 +303,7 @@ def build_config(args) -> MoEConfig:
                      top_k=args.top_k, expert_hidden=args.expert_hidden or args.dim)
 
 
-def token_stream(args, config: MoEConfig) -> torch.Tensor:
-    """The bundled text when a sequence fits in it and the vocabulary covers bytes, else
-    seeded random tokens of the model's vocabulary."""
-    text = corpus()
-    if args.seq_len + 2 <= len(text) and config.vocab_size >= 256:
-        return text
-    g = torch.Generator().manual_seed(args.seed)
-    return torch.randint(0, config.vocab_size, (max(4 * (args.seq_len + 1), 1 << 16),), generator=g)
-
-
-def apply_fsdp(model: MoEDecoder, experts_mesh, mesh, policy) -> None:
+def apply_fsdp(model: Decoder, experts_mesh, mesh, policy) -> None:
     """FSDP2 over ``mesh`` (every rank) for all but the experts, which are sharded over
     ``experts_mesh`` (the ranks that hold the same experts: dp)."""
     from torch.distributed.fsdp import fully_shard
@@ -359,7 +336,7 @@ def main(argv: list[str] | None = None) -> str:
     everyone = mesh["dp", "ep"]._flatten("dp_ep")  # FSDP over every rank (TorchTitan's dp_shard)
     register_mesh(mesh)
     torch.manual_seed(args.seed)
-    model = MoEDecoder(config, mesh.get_group("ep"), mesh.get_local_rank("ep"), ep, args.seed)
+    model = moe_decoder(config, mesh.get_group("ep"), mesh.get_local_rank("ep"), ep, args.seed)
     local_params = sum(p.numel() for p in model.parameters())
     expert_params = sum(p.numel() for layer in model.layers for p in layer.moe.experts.parameters())
     params = local_params + expert_params * (ep - 1)
@@ -374,13 +351,8 @@ def main(argv: list[str] | None = None) -> str:
               f"{config.n_layers} layers, {config.n_experts} experts of {config.expert_hidden}, "
               f"top {config.top_k}), mixed precision {args.mixed_precision}, "
               f"global batch {batch_size}x{args.seq_len}", flush=True)
-    final, step = train(args, model, everyone.get_local_rank(), world, everyone.get_group(),
-                        data=token_stream(args, config))
-    if rank == 0:
-        report_final(final, step)
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    return backend
+    return end(*train(args, model, everyone.get_local_rank(), world, everyone.get_group(),
+                      data=token_stream(args, config)))
 
 
 if __name__ == "__main__":

@@ -1218,6 +1218,14 @@ def _uneven_all_to_all(
     is the rejecting group rank + 1, so the highest one is named), then the padded all-to-all
     (:attr:`Plan.then`). The agreed width is rounded up to its :func:`size_bucket`, so that
     widths that follow the data reuse a few programs.
+
+    On TPU too this padded exchange, not XLA's ragged all-to-all
+    (``jax.lax.ragged_all_to_all``, which would move only the rows and serve every split with
+    one program of a bucketed capacity): libtpu 0.0.52 compiles it, but XLA:CPU refuses it, so
+    its numbers could not be checked against gloo here as this exchange's are, and a wrong
+    offset would move wrong rows silently. The padding moves at most a quarter more than the
+    widest chunk times the group size (balanced routing: 1.2x the rows; benchmarks/README.md,
+    E56, measures it with skewed routing too).
     """
     size = group.size
     local_max = max([c.numel() for c in send_chunks] + recv_counts) if send_chunks else 0
