@@ -266,11 +266,15 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, blocks: list[nn.Module] | None = None) -> None:
+        """``blocks``: the layers, if not ``config.n_layers`` of :class:`Block` (another
+        feed-forward: ``train_moe.py``'s experts)."""
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(
+            blocks if blocks is not None else (Block(config) for _ in range(config.n_layers))
+        )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, p in self.named_parameters():
@@ -559,6 +563,16 @@ def report_final(final: float | None, step: int) -> None:
     print(f"final loss {'none' if final is None else f'{final:.6f}'} after {step} steps", flush=True)
 
 
+def end(final: float | None, step: int) -> str:
+    """After training: rank 0 prints :func:`report_final`'s line, the group is destroyed, and
+    the backend it ran on is returned (for :func:`leave`)."""
+    if dist.get_rank() == 0:
+        report_final(final, step)
+    backend = dist.get_backend()
+    dist.destroy_process_group()
+    return backend
+
+
 def leave(backend: str) -> None:
     """End a finished rank that ran on another backend than tpu_dist's (gloo) without Python's
     interpreter teardown: threads joined, ``atexit`` handlers run, streams flushed, then
@@ -611,12 +625,7 @@ def main(argv: list[str] | None = None) -> str:
         params = sum(p.numel() for p in model.parameters())
         print(f"FSDP2 on {world} ranks ({dist.get_backend()}): {params} parameters, "
               f"global batch {batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}", flush=True)
-    final, step = train(args, model, rank, world, None)
-    if rank == 0:
-        report_final(final, step)
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    return backend
+    return end(*train(args, model, rank, world, None))
 
 
 if __name__ == "__main__":

@@ -76,11 +76,11 @@ from train_fsdp import (  # noqa: E402
     MoE,
     corpus,
     describe_mesh,
+    end,
     global_batch_size,
     leave,
     model_config,
     parse_args,
-    report_final,
     train,
 )
 
@@ -276,13 +276,8 @@ def main(argv: list[str] | None = None) -> str:
               f"mixed precision {args.mixed_precision}, "
               f"global batch {batch_size}x{args.seq_len}", flush=True)
     dp_rank = mesh.get_local_rank("dp")
-    final, step = train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"),
-                        loss_context=loss_parallel, data=token_stream(args, config))
-    if rank == 0:
-        report_final(final, step)
-    backend = dist.get_backend()
-    dist.destroy_process_group()
-    return backend
+    return end(*train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"),
+                      loss_context=loss_parallel, data=token_stream(args, config)))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from tests.collective_cases import DTYPES, make_input
 from tests.harness import World
+from tpu_dist.collectives._plan import PERMUTE_MIN_BYTES
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
@@ -127,6 +128,26 @@ def _all_to_all(rank: int, world_size: int) -> list[str]:
         dist.all_to_all(outs, [piece(rank, j) for j in range(world_size)])
         for r in range(world_size):
             _check(problems, f"all_to_all list {dtype} from {r}", outs[r], piece(r, rank))
+        # at least _plan.PERMUTE_MIN_BYTES a rank: one collective-permute per peer on CPU,
+        # even (an odd number of rows a peer: chunks at offsets no multiple of 64 bytes) and
+        # uneven (some chunks of the agreed width, passed as they are, some padded)
+        big = PERMUTE_MIN_BYTES // dtype.itemsize // (3 * world_size) + 1
+        ins = [make_input(r, dtype, (world_size * big, 3), salt=53) for r in range(world_size)]
+        out = torch.empty_like(ins[rank])
+        dist.all_to_all_single(out, ins[rank])
+        want = torch.cat([ins[r].chunk(world_size)[rank] for r in range(world_size)])
+        _check(problems, f"all_to_all_single even large {dtype}", out, want)
+
+        def big_splits(i: int) -> list[int]:
+            return [big + 5 * ((i + j) % 2) for j in range(world_size)]
+
+        ins = [make_input(r, dtype, (sum(big_splits(r)), 3), salt=54) for r in range(world_size)]
+        recv = [big_splits(r)[rank] for r in range(world_size)]
+        out = torch.empty((3, sum(recv)), dtype=dtype).t()  # an output that is not contiguous
+        dist.all_to_all_single(out, ins[rank], output_split_sizes=recv,
+                               input_split_sizes=big_splits(rank))
+        want = torch.cat([ins[r].split(big_splits(r))[rank] for r in range(world_size)])
+        _check(problems, f"all_to_all_single uneven large {dtype}", out, want)
     return problems
 
 

@@ -110,6 +110,42 @@ def test_async_work_wait_is_completed_future(world: World) -> None:
     assert world.run(_async_works) == [[]] * 4
 
 
+def _dropped_works_are_freed(rank: int, world_size: int) -> list[str]:
+    """A work the caller drops, waited on or not, is freed with the outputs it holds at once,
+    not at the next run of Python's cyclic collector (issue 51: works closed over themselves,
+    and FSDP2's gradient buffers stayed alive step after step)."""
+    import gc
+    import weakref
+
+    problems = []
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for async_op in (False, True):
+            out = torch.empty(world_size * 1000)
+            work = dist.all_gather_into_tensor(
+                out, torch.full((1000,), float(rank)), async_op=True
+            )
+            if not async_op:
+                work.wait()
+            freed_work, freed_out = weakref.ref(work), weakref.ref(out)
+            del work, out
+            dist.barrier()  # completes the dropped work first (in issue order)
+            if freed_work() is not None or freed_out() is not None:
+                problems.append(
+                    f"waited={not async_op}: work alive {freed_work() is not None}, "
+                    f"output alive {freed_out() is not None}"
+                )
+    finally:
+        if enabled:
+            gc.enable()
+    return problems
+
+
+def test_dropped_works_and_their_outputs_are_freed(world: World) -> None:
+    assert world.run(_dropped_works_are_freed) == [[]] * 4
+
+
 def _async_returns_before_peers_arrive(rank: int, world_size: int) -> dict:
     """Rank 0 issues async collectives while the others are still asleep; a synchronous call
     right after them still runs after them (the same order on every rank)."""

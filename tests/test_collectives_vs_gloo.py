@@ -8,12 +8,15 @@ data-movement results bit for bit, float reductions to float32 round-off
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tests.collective_cases import make_input
 from tests.harness import World
+from tpu_dist.collectives import _plan
 
 
 def _program(rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -60,11 +63,9 @@ def _program(rank: int, world_size: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("size", [3])
-def test_same_results_as_gloo(size: int) -> None:
-    with World(size, backend="gloo") as gloo:
-        want = gloo.run(_program)
-    with World(size, backend="tpu") as tpu:
-        got = tpu.run(_program)
+def test_same_results_as_gloo(size: int, worlds: Callable[..., World]) -> None:
+    want = worlds(size, backend="gloo").run(_program)
+    got = worlds(size, backend="tpu").run(_program)
     for rank in range(size):
         assert got[rank].keys() == want[rank].keys()
         for name, expected in want[rank].items():
@@ -74,3 +75,47 @@ def test_same_results_as_gloo(size: int) -> None:
                 torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=name)
             else:
                 assert torch.equal(actual, expected), (rank, name, actual, expected)
+
+
+_CALLS = 200
+_MAX_ROWS = 300
+_DIMS = (3, 40)
+
+
+def _random_all_to_alls(rank: int, world_size: int, calls: int) -> dict:
+    """``calls`` all_to_all_singles whose splits change every call (a router's, say): the
+    splits of call ``i`` are drawn from a generator seeded with ``i``, the same matrix on every
+    rank (rank r sends ``splits[r][j]`` rows to rank j). Returns every output, and on "tpu"
+    how many programs the calls built."""
+    from tpu_dist.collectives import compile_count
+
+    tpu = dist.get_backend() == "tpu"
+    before = compile_count() if tpu else 0
+    outs = []
+    for i in range(calls):
+        g = torch.Generator().manual_seed(1000 + i)
+        widest = int(torch.randint(1, _MAX_ROWS, (1,), generator=g))
+        splits = torch.randint(0, widest + 1, (world_size, world_size), generator=g)
+        send, recv = splits[rank].tolist(), splits[:, rank].tolist()
+        dim = _DIMS[i % 2]  # the wider rows run as collective-permutes (_plan.PERMUTE_MIN_BYTES)
+        x = make_input(rank, torch.float32, (sum(send), dim), salt=i)
+        out = torch.empty(sum(recv), dim)
+        dist.all_to_all_single(out, x, recv, send)
+        outs.append(out)
+    return {"outs": outs, "programs": compile_count() - before if tpu else None}
+
+
+def test_random_split_all_to_alls_build_few_programs_and_match_gloo(
+    worlds: Callable[..., World],
+) -> None:
+    # 200 calls whose widest chunk is anything from 1 to 300 rows of 3 or 40 floats: one
+    # agreement program, and the padded exchange's width rounded to one of 4 buckets per
+    # doubling (at most 4 * log2(12,000) + 8 = 62 widths here, fewer in practice), not one
+    # program per width. Rows of 40 floats are mostly collective-permutes.
+    want = worlds(3, backend="gloo").run(_random_all_to_alls, _CALLS)
+    got = worlds(3, backend="tpu").run(_random_all_to_alls, _CALLS)
+    widths = {_plan.size_bucket(d * w) for d in _DIMS for w in range(1, _MAX_ROWS)}
+    for rank in range(3):
+        assert 0 < got[rank]["programs"] <= 1 + len(widths) <= 62, got[rank]["programs"]
+        for i, (a, b) in enumerate(zip(got[rank]["outs"], want[rank]["outs"])):
+            assert torch.equal(a, b), (rank, i)

@@ -46,13 +46,13 @@ def _ops_on_group(group: dist.ProcessGroup, rank: int, tag: str) -> dict:
             scattered, torch.arange(n * size, dtype=torch.float32) * (rank + 1), group=group
         )
         out[f"{tag}/reduce_scatter/{size}"] = scattered
-        if size > 5:
-            continue
-        moved = torch.empty(n * size, dtype=torch.int32)
+        moved = torch.empty(n * size, dtype=torch.int32)  # large: collective-permutes on CPU
         dist.all_to_all_single(
             moved, torch.arange(n * size, dtype=torch.int32) + 1000 * rank, group=group
         )
         out[f"{tag}/all_to_all/{size}"] = moved
+        if size > 5:
+            continue
         sent = base.clone()
         dist.broadcast(sent, ranks[n - 1], group=group)
         out[f"{tag}/broadcast/{size}"] = sent

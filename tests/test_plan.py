@@ -14,6 +14,8 @@ Groups used below:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -195,6 +197,73 @@ def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
     # nothing to move anywhere: no second program
     empty = _plan.all_to_all_single(CPU2, torch.zeros(0), torch.zeros(0), [0, 0], [0, 0])
     assert empty.then([torch.tensor([0, 0])]).key is None
+
+
+def test_size_buckets_are_few_and_pad_by_at_most_a_quarter() -> None:
+    assert [_plan.size_bucket(n) for n in range(1, 18)] == [
+        1, 2, 3, 4, 5, 6, 7, 8, 10, 10, 12, 12, 14, 14, 16, 16, 20]
+    sizes = range(1, 1 << 16)
+    buckets = {_plan.size_bucket(n) for n in sizes}
+    assert len(buckets) <= 4 * 16
+    assert all(n <= _plan.size_bucket(n) <= 1.25 * n for n in sizes)
+    assert all(_plan.size_bucket(b) == b for b in buckets)  # a bucket is its own bucket
+
+
+def test_uneven_all_to_all_pads_the_agreed_width_to_its_bucket() -> None:
+    # rank 0 of 2 sends 9 rows to rank 1 and 2 to itself; the widest chunk agreed is 11
+    # (another rank's), padded to 12: every width from 11 to 12 runs one program.
+    x = torch.arange(11, dtype=torch.int32)
+    out = torch.zeros(5, dtype=torch.int32)
+    plan = _plan.all_to_all_single(CPU2, out, x, [2, 3], [2, 9])
+    padded = plan.then(plan.finish([torch.tensor([11, 0])]))
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((24, "int32"),), (), "xla")
+    rows = padded.blocks[0].view(2, 12)
+    assert rows[0].tolist() == [0, 1] + [0] * 10 and rows[1].tolist() == list(range(2, 11)) + [0] * 3
+    got = torch.zeros(2, 12, dtype=torch.int32)
+    got[0, :2] = torch.tensor([0, 1])
+    got[1, :3] = torch.tensor([20, 21, 22])
+    padded.finish([got.view(-1)])
+    assert out.tolist() == [0, 1, 20, 21, 22]
+
+
+def test_a_large_cpu_all_to_all_is_one_permute_per_peer() -> None:
+    # 4 ranks, 64 KiB a rank (_plan.PERMUTE_MIN_BYTES): rank 1 passes its chunks for ranks 2,
+    # 3 and 0 as blocks of their own (views of its tensor); result block k came from rank
+    # 1 - k, and its own chunk goes straight from its input to its output.
+    n = _plan.PERMUTE_MIN_BYTES // 4 // 4
+    x = torch.arange(4 * n, dtype=torch.float32)
+    out = torch.zeros(4 * n)
+    plan = _plan.all_to_all_single(CPU4, out, x, [], [])
+    assert plan.key == ProgramKey("alltoall", (0, 1, 2, 3), ((n, "int32"),) * 3, (), "permute")
+    chunks = _plan.words(x).view(4, n)
+    assert [b.data_ptr() for b in plan.blocks] == [chunks[j].data_ptr() for j in (2, 3, 0)]
+    got = [torch.full((n,), 100 * src, dtype=torch.float32).view(torch.int32) for src in (0, 3, 2)]
+    plan.finish(got)
+    want = torch.cat([torch.full((n,), 0.0), x[n:2 * n], torch.full((n,), 200.0),
+                      torch.full((n,), 300.0)])
+    assert torch.equal(out, want)
+    # Below the threshold: XLA's all-to-all of one block.
+    small = _plan.all_to_all_single(CPU4, torch.zeros(8), torch.zeros(8), [], [])
+    assert small.key.algorithm == "xla" and len(small.key.blocks) == 1
+    # On TPU, always XLA's all-to-all (it rides ICI).
+    tpu = dataclasses.replace(CPU4, platform="tpu")
+    assert _plan.all_to_all_single(tpu, out, x, [], []).key.algorithm == "xla"
+
+
+def test_a_large_uneven_cpu_all_to_all_pads_only_the_short_chunks() -> None:
+    # 2 ranks: rank 0 sends 3 rows to itself and the agreed width (a bucket) to rank 1,
+    # exactly, so that chunk is passed as it is; rank 1's chunk for it is shorter.
+    width = _plan.size_bucket(_plan.PERMUTE_MIN_BYTES // 4)
+    x = torch.arange(3 + width, dtype=torch.int32)
+    out = torch.zeros(3 + 5, dtype=torch.int32)
+    plan = _plan.all_to_all_single(CPU2, out, x, [3, 5], [3, width])
+    padded = plan.then(plan.finish([torch.tensor([width, 0])]))
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((width, "int32"),), (), "permute")
+    assert padded.blocks[0].data_ptr() == x[3:].data_ptr()  # no copy
+    from_peer = torch.zeros(width, dtype=torch.int32)
+    from_peer[:5] = torch.tensor([9, 8, 7, 6, 5])
+    padded.finish([from_peer])
+    assert out.tolist() == [0, 1, 2, 9, 8, 7, 6, 5]
 
 
 def test_uneven_all_to_all_of_bf16_pads_its_rows_to_32_bit_words() -> None:

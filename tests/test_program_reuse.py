@@ -248,3 +248,44 @@ def test_placement_ignores_device_ids_on_cpu_only() -> None:
 def test_expected_values_differ_by_group_order(ranks: list[int]) -> None:
     # The reference itself tells the orders apart (else the checks above could not).
     assert _expected(ranks, 0) != _expected(ranks[::-1], 0)
+
+
+_BUDGET = textwrap.dedent(
+    r"""
+    import json
+    import jax, numpy as np
+    from tpu_dist.collectives import _lowering
+    from tpu_dist.collectives._lowering import ProgramKey
+
+    devices = jax.devices("cpu")[:2]
+    programs = _lowering.ProgramCache(budget_bytes=2 * _lowering.PROGRAM_BYTES + (1 << 18))
+    programs.platform = "cpu"
+    _, sharding = programs.mesh_for(devices)
+
+    def run(n):  # an all_reduce of n floats over two devices, checked against numpy
+        key = ProgramKey("allreduce", (0, 1), ((n, "float32"),), ("SUM",), "xla")
+        data = [np.arange(n, dtype=np.float32) * (i + 1) for i in range(2)]
+        blocks = [jax.device_put(d, dev) for d, dev in zip(data, devices)]
+        x = jax.make_array_from_single_device_arrays((2 * n,), sharding, blocks)
+        (y,) = programs.program(key, devices).compiled(x)
+        ok = all(np.array_equal(np.asarray(s.data), data[0] + data[1]) for s in y.addressable_shards)
+        return ok
+
+    out = {"ok": [run(n) for n in (5, 6, 7)]}
+    out["after_three"] = programs.info().__dict__
+    out["ok"] += [run(6), run(5)]  # 6 is held (now the most recent); 5 was dropped: built again
+    out["held"] = sorted(k.blocks[0][0] for k in programs.by_key)
+    out["end"] = programs.info().__dict__
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+def test_programs_past_the_budget_are_dropped_least_recently_used_first() -> None:
+    out = script_result(_BUDGET, env=cpu_devices_env(2, caches=False), timeout=120)
+    assert out["ok"] == [True] * 5
+    three = out["after_three"]
+    assert (three["programs"], three["built"], three["dropped"]) == (2, 3, 1), three
+    assert three["bytes"] <= three["budget_bytes"], three
+    assert out["held"] == [5, 6], out  # 7 was the least recently used when 5 came back
+    assert (out["end"]["built"], out["end"]["dropped"]) == (4, 2), out["end"]

@@ -301,6 +301,34 @@ def test_a_large_narrow_all_to_all_compiles_on_tpu7x(dtype: torch.dtype) -> None
     assert key.blocks == ((8 << 20, "int32"),), key.blocks
 
 
+def test_a_routed_all_to_all_compiles_once_per_width_bucket(small_slice: list) -> None:
+    # A mixture of experts' token exchange (bf16 rows of 256, splits from the router) as the
+    # backend plans it for TPU: the MAX agreement on the widest chunk, then every chunk padded
+    # to that width's size bucket. Widest chunks of 1,000 to 1,299 rows (a routing's spread
+    # around a balanced 1,024) are 3 programs, not 300; each compiles to one all-to-all over
+    # the group (no ragged all-to-all: docs/decisions/0033-varying-sizes-and-memory.md, says why).
+    devices = small_slice
+    size = len(devices)
+    view = _plan.GroupView(0, size, tuple(d.id for d in devices), "tpu", tuple(range(size)),
+                           device_kind=devices[0].device_kind)
+    dim, mine = 256, [1000] * size
+    keys = set()
+    for widest in range(1000, 1300):
+        x = torch.empty(sum(mine), dim, dtype=torch.bfloat16)
+        plan = _plan.all_to_all_single(view, torch.empty_like(x), x, mine, mine)
+        agreement = plan.key
+        padded = plan.then(plan.finish([torch.tensor([widest * dim, 0])]))
+        keys.add(padded.key)
+    assert len(keys) == 3, sorted(k.blocks for k in keys)
+    (found,) = compile_collective(agreement, devices).collectives
+    assert found.op in _MAY_BECOME["allreduce"], found.op
+    for key in sorted(keys, key=lambda k: k.blocks):
+        (length, word), = key.blocks
+        assert word == "int32" and length % size == 0, key.blocks
+        (found,) = compile_collective(key, devices).collectives
+        assert found.op == "all-to-all" and found.replica_groups == (tuple(range(size)),)
+
+
 def test_compiler_options_come_from_the_generation() -> None:
     # TPU7x programs get the generation's options; other TPUs and the CPU get none, however
     # small the program (small CPU programs' own options: tests/test_compile_options.py).

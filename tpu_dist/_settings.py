@@ -277,6 +277,15 @@ COMPILE_CACHE: Setting[str] = Setting(
     parse=_cache_choice,
 )
 
+PROGRAM_CACHE_MB: Setting[int] = Setting(
+    env="TPU_DIST_PROGRAM_CACHE_MB",
+    default="128",
+    help="MiB of memory a process's compiled collective programs may hold (about 0.5 MiB "
+    "each on CPU); past it the least recently used are dropped and built again when needed "
+    "(on CPU usually loaded in milliseconds).",
+    parse=_positive_int("128"),
+)
+
 # -- registration ----------------------------------------------------------------------------
 
 BACKEND_NAME: Setting[str] = Setting(
@@ -339,8 +348,8 @@ LAUNCH_PRELOAD: Setting[bool] = Setting(
 
 SETTINGS: tuple[Setting, ...] = (
     PLATFORM, COORDINATOR_ADDRESS, COORDINATION_SERVICE, TIMEOUT_POLICY, HEARTBEAT_TIMEOUT, FLIGHT_RECORDER_DIR,
-    FLIGHT_RECORDER_SIZE, EXIT_CODE, LAUNCH_ATTEMPT, COMPILE_ONLY, COMPILE_CACHE, BACKEND_NAME,
-    DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT, LAUNCH_PRELOAD,
+    FLIGHT_RECORDER_SIZE, EXIT_CODE, LAUNCH_ATTEMPT, COMPILE_ONLY, COMPILE_CACHE, PROGRAM_CACHE_MB,
+    BACKEND_NAME, DEFAULT_FOR_CPU, TOPOLOGY, NUM_SLICES, METADATA_URL, METADATA_TIMEOUT, LAUNCH_PRELOAD,
 )
 """Every declared setting, in the order above."""
 

@@ -20,6 +20,9 @@ Public names:
 * :func:`start_coordination_service` - host JAX's coordination service outside the ranks (what
   tpu-launch's node 0 does), so that rank 0's death does not end the others.
 * :func:`compile_count` - how many collective programs this process compiled.
+* :func:`program_cache_info` - what the process's compiled programs hold (a
+  :class:`ProgramCacheInfo`: programs, bytes, the ``TPU_DIST_PROGRAM_CACHE_MB`` budget past
+  which the least recently used are dropped, how many were).
 * :class:`ProgramKey` - what decides a collective's XLA program (kind, blocks, params, algorithm);
   :mod:`tpu_dist.collectives.compile_only` compiles one for TPU without a TPU (libtpu).
 """
@@ -40,7 +43,8 @@ from tpu_dist.collectives._timeout import set_timeout
 
 if TYPE_CHECKING:
     from tpu_dist.collectives._backend import ProcessGroupTPU
-    from tpu_dist.collectives._runtime import compile_count, global_devices
+    from tpu_dist.collectives._lowering import ProgramCacheInfo
+    from tpu_dist.collectives._runtime import compile_count, global_devices, program_cache_info
     from tpu_dist.collectives._types import ProgramKey
     from tpu_dist.collectives._service import start_coordination_service
 
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
 _LAZY = {
     "ProcessGroupTPU": "tpu_dist.collectives._backend",
     "compile_count": "tpu_dist.collectives._runtime",
+    "program_cache_info": "tpu_dist.collectives._runtime",
+    "ProgramCacheInfo": "tpu_dist.collectives._lowering",
     "ProgramKey": "tpu_dist.collectives._types",
     "global_devices": "tpu_dist.collectives._runtime",
     "start_coordination_service": "tpu_dist.collectives._service",
@@ -63,10 +69,12 @@ __all__ = [
     "DEFAULT_FOR_CPU_ENV",
     "FALLBACK_BACKEND_NAME",
     "ProcessGroupTPU",
+    "ProgramCacheInfo",
     "ProgramKey",
     "compile_count",
     "global_devices",
     "make_default_for_cpu",
+    "program_cache_info",
     "register_backend",
     "registered_name",
     "set_timeout",

@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, get_args
@@ -93,6 +94,7 @@ class Lane:
                 self._run(job)
             except BaseException:  # a bug: logged, and the lane stays alive for the others
                 logger.exception("tpu_dist: %s: a job failed outside its own future", self._name)
+            job = None  # not kept while this thread waits: its arrays hold the call's tensors
 
 
 @dataclass
@@ -178,8 +180,8 @@ class Dispatcher:
         self._lock = threading.Lock()
         self._sets: dict[tuple[int, ...], _SetState] = {}
         # Per device set (sorted ids): the thread that started the last program on it and
-        # that program's result blocks, while it runs ("Programs started from different
-        # threads").
+        # weak references to that program's result blocks, while it runs ("Programs started
+        # from different threads").
         self._running: dict[tuple[int, ...], tuple[threading.Thread, list]] = {}
 
     def submit(
@@ -213,11 +215,13 @@ class Dispatcher:
         return self.submit(key, devices, arrays).result()
 
     def _started(self, device_set: tuple[int, ...], thread: threading.Thread, outs: list) -> list:
-        """Note ``outs`` as the last program started on ``device_set`` (by ``thread``)."""
+        """Note ``outs`` as the last program started on ``device_set`` (by ``thread``), by
+        weak references: a result block its work has copied and dropped is freed at once,
+        not kept here until the next program on the set (issue 51)."""
         running = not _all_ready(outs)
         with self._lock:
             if running:
-                self._running[device_set] = (thread, outs)
+                self._running[device_set] = (thread, [weakref.ref(out) for out in outs])
             else:
                 self._running.pop(device_set, None)
         return outs
@@ -234,7 +238,7 @@ class Dispatcher:
         if last is None:
             return False
         thread, outs = last
-        if _all_ready(outs):
+        if _all_ready(_alive(outs)):
             with self._lock:
                 if self._running.get(device_set) is last:
                     del self._running[device_set]
@@ -250,7 +254,7 @@ class Dispatcher:
             last = self._running.get(device_set)
         if last is None:
             return
-        for out in last[1]:
+        for out in _alive(last[1]):
             try:
                 out.block_until_ready()
             except Exception:  # noqa: BLE001 (the failure is reported by its own work)
@@ -358,6 +362,12 @@ def settle(
 def device_set_of(devices: Sequence) -> tuple[int, ...]:
     """The sorted ids of ``devices``: what XLA keys a program's communicator by."""
     return tuple(sorted(d.id for d in devices))
+
+
+def _alive(refs: list) -> list:
+    """The result blocks behind ``refs`` (weak references) that still exist: a gone one was
+    waited for and dropped by its work."""
+    return [out for out in (ref() for ref in refs) if out is not None]
 
 
 def _all_ready(outs: list) -> bool:

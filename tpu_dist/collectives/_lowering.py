@@ -43,6 +43,7 @@ and share programs across dtypes of one width.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -58,6 +59,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tpu_dist import _settings
 from tpu_dist.collectives import _compile_cache, _jaxlib
 from tpu_dist.collectives._types import Kind, ProgramKey
 from tpu_dist.mesh import generation_of_device_kind
@@ -97,33 +99,75 @@ def mesh_of(devices: Sequence[jax.Device], groups: int = 1) -> tuple[Mesh, Named
     return mesh, NamedSharding(mesh, P((GROUPS_AXIS, AXIS)))
 
 
+PROGRAM_BYTES = 512 * 1024
+"""What one compiled collective program is counted as holding in the process's memory (its
+code, XLA's executable and JAX's objects around it), for :class:`ProgramCache`'s budget:
+measured on CPU (jaxlib 0.10.2, 100 programs of each kind built, then all dropped), 0.3-0.8 MiB
+each (all-reduces, all-gathers, uneven all-to-alls), all of it freed when the program is
+dropped (docs/decisions/0033-varying-sizes-and-memory.md). XLA:CPU reports no code size
+(``memory_analysis()``'s ``generated_code_size_in_bytes`` is 0), so a measured figure it is."""
+
+
+@dataclass(frozen=True)
+class ProgramCacheInfo:
+    """What a :class:`ProgramCache` holds (:func:`tpu_dist.collectives.program_cache_info`)."""
+
+    programs: int
+    """Compiled programs held."""
+    serialized: int
+    """Serialized programs held (CPU: one per size and layout, loaded onto a new group's
+    devices in ~2 ms instead of compiling)."""
+    bytes: int
+    """What they are counted as holding: :data:`PROGRAM_BYTES` a program, plus the
+    serialized programs' own bytes."""
+    budget_bytes: int
+    """The most they may hold (``TPU_DIST_PROGRAM_CACHE_MB``); the least recently used are
+    dropped past it (at least the program in use is kept)."""
+    built: int
+    """Programs built so far (``compile_count()``): compiled, or loaded; a dropped program
+    built again counts again."""
+    dropped: int
+    """Programs dropped to stay within the budget."""
+
+
 class ProgramCache:
     """The compiled programs of one process, by key; owned by the runtime
     (its ``programs``), or made on its own by a test.
 
     Programs are built on first use (on CPU loaded from a program compiled here for another
     group of the same size and layout, else from the on-disk compile cache, else compiled)
-    and kept for the life of the process; :attr:`compilations` counts them, :attr:`origins`
-    says where each came from.
+    and kept while they fit ``budget_bytes`` (:data:`PROGRAM_BYTES` each, and the serialized
+    copies' own bytes): past it the least recently used are dropped, and built again (on CPU
+    usually loaded, in milliseconds) if they are needed again. :attr:`compilations` counts the
+    builds, :attr:`origins` says where each held program came from, :meth:`info` what is held.
     """
 
     def __init__(
         self,
         jaxlib: _jaxlib.JaxlibCalls | None = None,
         disk: _compile_cache.CompileCache | None = None,
+        budget_bytes: int | None = None,
     ) -> None:
         self.jaxlib = jaxlib if jaxlib is not None else _jaxlib.JaxlibCalls()
         """Which private jaxlib calls still work (the runtime's; a new one if none is given)."""
         self.disk = disk if disk is not None else _compile_cache.CompileCache()
         """The on-disk compile cache (the runtime's; a new one if none is given)."""
-        self.by_key: dict[ProgramKey, Program] = {}
-        """Every program built so far. Tests may replace an entry (a program without its
-        direct ``execute``, to take the public path)."""
+        self.budget_bytes = (
+            budget_bytes if budget_bytes is not None
+            else _settings.PROGRAM_CACHE_MB.get() * 1024 * 1024
+        )
+        """The most the held programs may count for (class doc; ``TPU_DIST_PROGRAM_CACHE_MB``
+        when not given)."""
+        self.by_key: collections.OrderedDict[ProgramKey, Program] = collections.OrderedDict()
+        """The programs held, least recently used first. Tests may replace an entry (a program
+        without its direct ``execute``, to take the public path)."""
         self.compilations = 0
         """How many programs were built: compiled, or loaded (another group's, or from the
         on-disk cache)."""
+        self.dropped = 0
+        """How many programs were dropped to stay within :attr:`budget_bytes`."""
         self.origins: dict[ProgramKey, str] = {}
-        """Where each program came from: ``"compiled"`` (XLA compiled it here, or JAX's
+        """Where each held program came from: ``"compiled"`` (XLA compiled it here, or JAX's
         persistent cache served it), ``"reused"`` (one this process built for another group of
         the same size and layout, loaded onto this group's devices), ``"disk"`` (the on-disk
         compile cache)."""
@@ -132,10 +176,13 @@ class ProgramCache:
         go to the on-disk cache (not those of compile-only devices)."""
         self._meshes: dict[tuple, tuple[Mesh, NamedSharding]] = {}
         self._by_id: dict[int, jax.Device] = {}
-        self._serialized: dict[tuple, _compile_cache.Serialized] = {}
+        self._serialized: collections.OrderedDict[tuple, _compile_cache.Serialized] = (
+            collections.OrderedDict()
+        )
         """CPU programs XLA compiled (never loaded ones: ``_compile_cache``'s doc), serialized,
-        by :func:`._compile_cache.placement_key`: the next group of the same size and layout
-        loads one (~2 ms) instead of compiling (35-320 ms)."""
+        by :func:`._compile_cache.placement_key`, least recently used first: the next group of
+        the same size and layout loads one (~2 ms) instead of compiling (35-320 ms)."""
+        self._serialized_bytes = 0
         self._lock = threading.Lock()
         self._skip_reasons: set[str] = set()
 
@@ -165,9 +212,13 @@ class ProgramCache:
 
     def program(self, key: ProgramKey, devices: Sequence[jax.Device]) -> Program:
         """The compiled program for ``key`` over ``devices`` (the group's), built on first
-        use."""
+        use (and again after it was dropped: class doc)."""
         found = self.by_key.get(key)
         if found is not None:
+            try:
+                self.by_key.move_to_end(key)  # the most recently used (atomic: the GIL)
+            except KeyError:  # dropped by another thread just now: the caller still has it
+                pass
             return found
         with self._lock:
             found = self.by_key.get(key)
@@ -175,7 +226,42 @@ class ProgramCache:
                 compiled = self._load_or_compile(key, self.program_devices(key, devices))
                 found = Program(compiled, self.jaxlib.loaded_execute(compiled))
                 self.by_key[key] = found
+                self._trim()
         return found
+
+    def held_bytes(self) -> int:
+        """What the held programs count for (:class:`ProgramCacheInfo`'s ``bytes``)."""
+        return len(self.by_key) * PROGRAM_BYTES + self._serialized_bytes
+
+    def info(self) -> ProgramCacheInfo:
+        """What this cache holds, and has built and dropped."""
+        return ProgramCacheInfo(
+            programs=len(self.by_key), serialized=len(self._serialized),
+            bytes=self.held_bytes(), budget_bytes=self.budget_bytes,
+            built=self.compilations, dropped=self.dropped,
+        )
+
+    def _trim(self) -> None:
+        """Drop the least recently used programs (then serialized copies) past the budget;
+        the newest program stays (it is about to run). Holds :attr:`_lock`."""
+        while self.held_bytes() > self.budget_bytes:
+            if len(self.by_key) > 1:
+                key, _ = self.by_key.popitem(last=False)
+                self.origins.pop(key, None)
+                self.dropped += 1
+            elif self._serialized:
+                _, kept = self._serialized.popitem(last=False)
+                self._serialized_bytes -= len(kept.blob)
+            else:
+                return
+
+    def _keep_serialized(self, placement: tuple, kept: _compile_cache.Serialized) -> None:
+        """Keep ``kept`` for other groups of the same size and layout (holds :attr:`_lock`)."""
+        if placement in self._serialized:
+            self._serialized.move_to_end(placement)
+            return
+        self._serialized[placement] = kept
+        self._serialized_bytes += len(kept.blob)
 
     def run(
         self, key: ProgramKey, devices: Sequence[jax.Device], local_blocks: Sequence[jax.Array]
@@ -233,6 +319,8 @@ class ProgramCache:
         reuse = cached and platform == "cpu"  # programs serve other groups on CPU only
         placement = _compile_cache.placement_key(key, devices) if reuse else None
         kept = self._serialized.get(placement) if reuse else None
+        if kept is not None:
+            self._serialized.move_to_end(placement)
         compiled, origin = None, "reused"
         if kept is not None:
             compiled = _compile_cache.deserialize(kept, devices, len(key.blocks))
@@ -254,7 +342,7 @@ class ProgramCache:
             if found is not None:
                 (compiled, kept), origin = found, "disk"
         if kept is not None and reuse:
-            self._serialized.setdefault(placement, kept)
+            self._keep_serialized(placement, kept)
         self.compilations += 1
         self.origins[key] = origin
         return compiled
@@ -565,6 +653,20 @@ def _alltoall(size: int):
     return body
 
 
+def _alltoall_permute(size: int):
+    # Block k - 1 is this rank's chunk for rank (i + k) mod size; the k-th collective-permute
+    # sends it there, so result k - 1 is what rank (i - k) mod size sent this rank
+    # (_plan.permute_blocks). Blocks are separate arguments, so XLA copies nothing around the
+    # sends (its all-to-all slices one block into chunks and joins the received ones).
+    def body(*blocks):
+        return tuple(
+            lax.ppermute(x, AXIS, perm=[(i, (i + k) % size) for i in range(size)])
+            for k, x in enumerate(blocks, 1)
+        )
+
+    return body
+
+
 def _broadcast(size: int, root: int, checked: bool = False):
     # Integer words: only the root contributes non-zeros, so the sum is its exact bits. With
     # ``checked`` the last block is a header every rank contributes to (the backend's check
@@ -615,6 +717,10 @@ _DIRECT_BODIES: dict[Kind, Callable] = {
     Kind.REDUCE_SCATTER: _reduce_scatter_direct,
 }
 
+_PERMUTE_BODIES: dict[Kind, Callable] = {
+    Kind.ALLTOALL: _alltoall_permute,
+}
+
 _GATHER_REDUCE_BODIES: dict[Kind, Callable] = {
     Kind.ALLREDUCE: functools.partial(_allreduce, gather_min_max=True),
 }
@@ -635,4 +741,5 @@ _ALGORITHMS: dict[str | None, dict[Kind, Callable]] = {
     "xla": _BODIES,
     "exchange": _DIRECT_BODIES,
     "gather_reduce": _GATHER_REDUCE_BODIES,
+    "permute": _PERMUTE_BODIES,
 }

@@ -191,7 +191,7 @@ class Pipeline:
             call.op,
             poll=self._poll,
             explain=explain,
-            complete_earlier=lambda: self._complete_before(work),
+            complete_earlier=self._complete_before,
             completer=s.completer,
         )
         self._remember(work)
@@ -227,9 +227,15 @@ class Pipeline:
 
     def _remember(self, work: TPUWork) -> None:
         with self._unfinished_lock:
+            self._unfinished.append(work)
+        work.on_done(self._forget_done)
+
+    def _forget_done(self, error: BaseException | None = None) -> None:
+        """Drop the ended works from the front of the unfinished ones (works end in issue
+        order), so that none is kept, with its outputs, after the caller dropped it."""
+        with self._unfinished_lock:
             while self._unfinished and self._unfinished[0].done:
                 self._unfinished.popleft()
-            self._unfinished.append(work)
 
     def _complete_before(self, work: TPUWork) -> None:
         """Complete every unfinished work this group issued before ``work``, oldest first.

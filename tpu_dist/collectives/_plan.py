@@ -41,7 +41,7 @@ from tpu_dist.collectives import _checks
 from tpu_dist.collectives._types import Kind, ProgramKey
 from tpu_dist.mesh import generation_of_device_kind
 
-Algorithm = Literal["xla", "exchange", "gather_reduce"]
+Algorithm = Literal["xla", "exchange", "gather_reduce", "permute"]
 """How a program carries out its kind (:attr:`ProgramKey.algorithm`):
 
 * ``"xla"``: XLA's own collective for the kind (``psum``, ``all_gather``, ``psum_scatter``, ...),
@@ -49,12 +49,18 @@ Algorithm = Literal["xla", "exchange", "gather_reduce"]
 * ``"exchange"``: all-reduce, all-gather and reduce-scatter as direct all-to-all exchanges
   (every chunk sent straight to its owner; reductions done locally);
 * ``"gather_reduce"``: all-reduce as an all-gather and a local reduction (the ops XLA's
-  all-reduce does not have, and min/max of types XLA:TPU emulates).
+  all-reduce does not have, and min/max of types XLA:TPU emulates);
+* ``"permute"``: an all-to-all as one collective-permute per peer, each chunk its own block
+  (:func:`permute_blocks`; CPU only).
 """
 
 Finish = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 """A plan's finish step: the program's result blocks (torch tensors, in the order of
 :attr:`Plan.blocks`) in, the op's output tensors out (written)."""
+
+PERMUTE_MIN_BYTES = 64 * 1024
+"""On CPU, all-to-alls of at least this many bytes a rank run as collective-permutes
+(:func:`permute_blocks`, the ``"permute"`` algorithm), not as XLA's all-to-all."""
 
 DIRECT_EXCHANGE_MAX_BYTES = 256 * 1024
 """On CPU, all-reduces and all-gathers of at most this many bytes per rank (summed over a
@@ -230,6 +236,10 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype).itemsize
 
 
+def _bytes(blocks: tuple[tuple[int, str], ...]) -> int:
+    return sum(n * _itemsize(dtype) for n, dtype in blocks)
+
+
 @functools.lru_cache(maxsize=4096)
 def choose_algorithm(
     kind: Kind | str, blocks: tuple[tuple[int, str], ...], params: tuple, platform: str, size: int
@@ -263,6 +273,14 @@ def choose_algorithm(
       message at once (160 KB all_reduce: 2 ranks 0.70 vs 1.12 ms, 4 ranks 3.2 vs 7.3 ms).
       Larger messages are bound by copies, where the ring wins (16 MiB, 2 ranks: 23.5 vs
       18.6 ms).
+    * CPU, all-to-all of at least :data:`PERMUTE_MIN_BYTES` a rank: ``"permute"``. XLA:CPU's
+      all-to-all of one block copies each peer's chunk out of it before sending and joins the
+      chunks it receives into one result after (two copies of the data); one
+      collective-permute per peer, on chunks the plan passes as blocks of their own (views of
+      the tensor), moves the same bytes without them (2 ranks: 1 MiB 0.53 vs 1.04 ms, 16 MiB
+      12.0 vs 24.6 ms, gloo 0.48 and 11.4; 4 ranks: 2 MiB 2.8 vs 4.1 ms, 16 MiB 27.3 vs
+      34.2 ms, gloo 2.4 and 22.3; docs/decisions/0033-varying-sizes-and-memory.md).
+      Smaller ones keep the all-to-all: one message round instead of ``size - 1``.
     * Otherwise XLA's own collective (``"xla"``; TPUs ride ICI with it), except for the
       reductions XLA does not have: an all-reduce with PRODUCT or a bitwise op is a
       ``"gather_reduce"``, a reduce-scatter with anything but a sum an ``"exchange"``.
@@ -281,6 +299,8 @@ def choose_algorithm(
     if platform == "cpu" and size >= 2:
         if kind == Kind.REDUCE_SCATTER:
             return "exchange"
+        if kind == Kind.ALLTOALL and _bytes(blocks) >= PERMUTE_MIN_BYTES:
+            return "permute"
         if kind in (Kind.ALLREDUCE, Kind.ALLGATHER) and blocks and min(n for n, _ in blocks) > 0:
             per_rank = sum(n * _itemsize(dtype) for n, dtype in blocks)
             if kind == Kind.ALLGATHER:
@@ -302,9 +322,11 @@ def program_key(
     platform: str,
     family: tuple[tuple[int, ...], ...] = (),
     device_kind: str = "",
+    algorithm: Algorithm | None = None,
 ) -> ProgramKey:
     """The :class:`ProgramKey` of ``kind`` over ``device_ids``, its algorithm chosen by
-    :func:`choose_algorithm` (as the backend chooses it).
+    :func:`choose_algorithm` (as the backend chooses it), or ``algorithm`` where the plan chose
+    it already (a ``"permute"`` all-to-all's blocks are laid out for it).
 
     With a ``family`` (:attr:`GroupView.family`: the device ids of each of its groups, one of
     them ``device_ids``) of two or more groups of two or more devices, the key is the family
@@ -314,7 +336,8 @@ def program_key(
     group's own.
     """
     size = len(device_ids)
-    algorithm = choose_algorithm(kind, blocks, params, platform, size)
+    if algorithm is None:
+        algorithm = choose_algorithm(kind, blocks, params, platform, size)
     grouped = len(family) >= 2 and size >= 2 and uses_family_program(platform, device_kind)
     if not grouped:
         return ProgramKey(kind, device_ids, blocks, params, algorithm)
@@ -455,9 +478,11 @@ def _program(
     *,
     checks: int = 0,
     rejected: Exception | None = None,
+    algorithm: Algorithm | None = None,
 ) -> Plan:
     """The plan of ``kind``'s program on ``blocks``, of which the last ``checks`` check the call
-    (:attr:`Plan.checks`; never empty); ``rejected``: :attr:`Plan.rejected`.
+    (:attr:`Plan.checks`; never empty); ``rejected``: :attr:`Plan.rejected`; ``algorithm``:
+    the one the blocks are laid out for, if the plan chose it (:func:`program_key`).
 
     Empty blocks stay out of the program (XLA refuses zero-length collectives) and get empty
     results back; with every block empty there is no program (every rank of the group sees the
@@ -482,7 +507,8 @@ def _program(
         blocks, finish = _aligned_for_tpu(kind, group.size, blocks, finish, align)
     meta = tuple((b.numel(), DTYPE_NAMES[b.dtype]) for b in blocks)
     key = program_key(
-        kind, group.device_ids, meta, params, group.platform, group.family, group.device_kind
+        kind, group.device_ids, meta, params, group.platform, group.family, group.device_kind,
+        algorithm,
     )
     data = (own if own is not None else meta)[: len(meta) - checks]
     return Plan(
@@ -1033,7 +1059,63 @@ def all_to_all_single(
     _checks.check_splits(op, [], group.size, input.shape[0], "input")
     _checks.check_numel(op, output, input.numel(), "output")
     block = exchange_words(words(input), group.size)
+    if _permutes(group, block):
+        size, rank = group.size, group.rank
+        chunks = list(block.view(size, -1))
+        out_words = words(output) if output.is_contiguous() else None
+
+        target = _as_words(out_words, block.dtype) if out_words is not None else None
+
+        def finish(received: list[torch.Tensor]) -> list[torch.Tensor]:
+            by_source = from_permutes(received, chunks[rank], rank)
+            if target is not None:  # each chunk straight into its place in the output
+                torch.cat(by_source, out=target)
+            else:
+                write(output, torch.cat(by_source))
+            return [output]
+
+        return _program(group, op, Kind.ALLTOALL, (), permute_blocks(chunks, rank), finish,
+                        algorithm="permute")
     return _program(group, op, Kind.ALLTOALL, (), [block], _writes([output]))
+
+
+def _as_words(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """``tensor`` viewed as ``dtype`` words, or None where no view can (an offset that is no
+    multiple of the wider word)."""
+    try:
+        return tensor.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def _permutes(group: GroupView, block: torch.Tensor) -> bool:
+    """Whether an all-to-all of ``block`` (this rank's chunks, one per rank) runs as
+    collective-permutes (:func:`choose_algorithm`)."""
+    meta = ((block.numel(), DTYPE_NAMES[block.dtype]),)
+    return choose_algorithm(Kind.ALLTOALL, meta, (), group.platform, group.size) == "permute"
+
+
+def permute_blocks(chunks: Sequence[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """The blocks of a ``"permute"`` all-to-all from this rank's chunks (``chunks[j]`` for
+    rank ``j``, all of one length): block ``k - 1`` is the chunk for rank ``(rank + k) mod
+    size``, ``k = 1 .. size - 1``, which the program's ``k``-th collective-permute sends there
+    (every rank sends its ``k``-th block ``k`` ranks on). This rank's own chunk stays out of
+    the program. On 3 ranks, rank 1 passes ``[chunks[2], chunks[0]]``."""
+    size = len(chunks)
+    return [chunks[(rank + k) % size] for k in range(1, size)]
+
+
+def from_permutes(
+    received: Sequence[torch.Tensor], own: torch.Tensor, rank: int
+) -> list[torch.Tensor]:
+    """A ``"permute"`` all-to-all's result blocks in source-rank order, ``own`` (this rank's
+    chunk for itself) in its place: result block ``k - 1`` came from rank ``(rank - k) mod
+    size``."""
+    size = len(received) + 1
+    by_source: list[torch.Tensor] = [own] * size
+    for k, block in enumerate(received, 1):
+        by_source[(rank - k) % size] = block
+    return by_source
 
 
 def _check_a2a_shapes(op: str, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -1073,11 +1155,10 @@ def _single_parts(
     out_words = words(output) if output.is_contiguous() else None
 
     def finish(recv_chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        joined = torch.cat(recv_chunks)
-        if out_words is not None and out_words.data_ptr() != joined.data_ptr():
-            out_words.copy_(joined)
+        if out_words is not None:  # straight into the output: no output-sized temporary
+            torch.cat(recv_chunks, out=out_words)
         else:
-            write(output, joined)
+            write(output, torch.cat(recv_chunks))
         return [output]
 
     return send_chunks, [r * row for r in recv], finish
@@ -1121,6 +1202,24 @@ def _list_parts(
     return send_chunks, recv_counts, _writes(output_tensors)
 
 
+def size_bucket(n: int) -> int:
+    """``n`` rounded up to the next of 1, 2, ..., 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, ...:
+    four sizes per doubling from 8 on (the three leading bits of ``n - 1`` kept, the rest
+    rounded up), so sizes from 1 to ``N`` fall in at most ``4 * log2(N)`` buckets and the
+    padding adds at most a quarter (5 for 4 + 1 after 4, an eighth on average).
+
+    An uneven all-to-all's chunk width (:func:`_uneven_all_to_all`) follows the data (the
+    tokens a router sends to each expert, packed sequences), and each new width would be a new
+    program: a mixture of experts compiled 61 programs in 10 steps (issue 51); with widths
+    bucketed it compiles a few per all-to-all shape
+    (docs/decisions/0033-varying-sizes-and-memory.md).
+    """
+    if n <= 8:
+        return n
+    step = 1 << ((n - 1).bit_length() - 3)
+    return -(-n // step) * step
+
+
 def _uneven_all_to_all(
     group: GroupView,
     op: str,
@@ -1135,7 +1234,16 @@ def _uneven_all_to_all(
     largest chunk (so every rank compiles the same padded program) and on whether any rank
     rejected its arguments (then every rank fails the call there, :class:`Plan`; the verdict
     is the rejecting group rank + 1, so the highest one is named), then the padded all-to-all
-    (:attr:`Plan.then`).
+    (:attr:`Plan.then`). The agreed width is rounded up to its :func:`size_bucket`, so that
+    widths that follow the data reuse a few programs.
+
+    On TPU too this padded exchange, not XLA's ragged all-to-all
+    (``jax.lax.ragged_all_to_all``, which would move only the rows and serve every split with
+    one program of a bucketed capacity): libtpu 0.0.52 compiles it, but XLA:CPU refuses it, so
+    its numbers could not be checked against gloo here as this exchange's are, and a wrong
+    offset would move wrong rows silently. The padding moves at most a quarter more than the
+    widest chunk times the group size (balanced routing: 1.2x the rows;
+    docs/decisions/0033-varying-sizes-and-memory.md measures it with skewed routing too).
     """
     size = group.size
     local_max = max([c.numel() for c in send_chunks] + recv_counts) if send_chunks else 0
@@ -1156,7 +1264,21 @@ def _uneven_all_to_all(
         # bytes more padding a chunk, decided by the agreed width and the dtype alone.
         word = send_chunks[0].dtype
         ratio = _per_word32(send_chunks[0])
-        width = -(-width // ratio) * ratio
+        width = -(-size_bucket(width) // ratio) * ratio
+        rank = group.rank
+        meta = ((size * width, DTYPE_NAMES[word]),)
+        if choose_algorithm(Kind.ALLTOALL, meta, (), group.platform, size) == "permute":
+            # One block per peer (this rank's own chunk stays here): a chunk of the whole
+            # width is passed as it is, a shorter one padded.
+            peers = permute_blocks(send_chunks, rank)
+            blocks = [exchange_words(_padded(c, width), 1) for c in peers]
+
+            def unpermute(results: list[torch.Tensor]) -> list[torch.Tensor]:
+                got = from_permutes([r.view(word) for r in results], send_chunks[rank], rank)
+                return finish([got[peer][: recv_counts[peer]] for peer in range(size)])
+
+            return _program(group, op, Kind.ALLTOALL, (), blocks, unpermute,
+                            algorithm="permute")
         rows = send_chunks[0].new_zeros(size, width)
         for peer, chunk in enumerate(send_chunks):
             rows[peer, : chunk.numel()] = chunk
@@ -1172,6 +1294,16 @@ def _uneven_all_to_all(
     return Plan(
         agree.op, agree.key, agree.blocks, agree.finish, then=padded, rejected=rejected
     )
+
+
+def _padded(chunk: torch.Tensor, width: int) -> torch.Tensor:
+    """``chunk`` as a block of ``width`` words: itself when it is that long, else a copy
+    with zeros after it."""
+    if chunk.numel() == width:
+        return chunk
+    block = chunk.new_zeros(width)
+    block[: chunk.numel()] = chunk
+    return block
 
 
 # -- barrier and point to point -------------------------------------------------------------

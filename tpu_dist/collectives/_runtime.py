@@ -584,8 +584,17 @@ def _host_address() -> str:
 def compile_count() -> int:
     """How many collective programs this process has built: compiled, or loaded compiled (on
     CPU, a program this process compiled for another group of the same size; or from the
-    on-disk compile cache, ``TPU_DIST_COMPILE_CACHE``). Each program counts once."""
+    on-disk compile cache, ``TPU_DIST_COMPILE_CACHE``). Each program counts once, unless it
+    was dropped (past ``TPU_DIST_PROGRAM_CACHE_MB``: :func:`program_cache_info`) and built
+    again."""
     return get().programs.compilations
+
+
+def program_cache_info() -> _lowering.ProgramCacheInfo:
+    """What this process's compiled collective programs hold: how many, what they count for
+    in bytes against the ``TPU_DIST_PROGRAM_CACHE_MB`` budget, how many were built
+    (:func:`compile_count`) and how many dropped (the least recently used, past the budget)."""
+    return get().programs.info()
 
 
 def global_devices() -> list[jax.Device]:

@@ -42,6 +42,7 @@ import enum
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -81,7 +82,7 @@ class TPUWork(dist._Work):
         *,
         poll: bool = False,
         explain: Callable[[BaseException], dist.DistBackendError] | None = None,
-        complete_earlier: Callable[[], None] | None = None,
+        complete_earlier: Callable[[TPUWork], None] | None = None,
         before_wait: Callable[[bool], None] | None = None,
         completer: Completer | None = None,
     ) -> None:
@@ -91,7 +92,12 @@ class TPUWork(dist._Work):
             description: The op as users know it (``all_reduce``, ``send (peer 1, tag 0)``).
             poll: Wait by polling, so that :meth:`interrupt` reaches a waiter (raise policy).
             explain: Turns an XLA error into the ``DistBackendError`` users get.
-            complete_earlier: Completes the group's earlier works (called before finishing).
+            complete_earlier: Completes the group's earlier works than the one it is given
+                (called with this work before finishing). Taking the work as an argument,
+                not closing over it, keeps the work out of a reference cycle: a finished work
+                and the outputs it holds are freed as soon as the caller drops it, not at the
+                next run of Python's cyclic garbage collector (issue 51: FSDP2's unsharded
+                parameters were kept alive that way, step after step).
             before_wait: Called with ``block`` before any wait: starts what the work waits on
                 (the sender of a receive from any source, then the receive).
                 ``block=False`` for a ``wait(timeout)``: start without waiting inline.
@@ -152,9 +158,18 @@ class TPUWork(dist._Work):
         (or to the error that kept it from starting)."""
         self._starting = starting
         self._finish = finish
-        starting.add_done_callback(self._started)
+        # Through a weak reference: the future outlives the work's need of it (the dispatcher
+        # thread holds its last job), and a bound method would keep the work and its outputs.
+        mine = weakref.ref(self)
 
-    def _started(self, starting: concurrent.futures.Future) -> None:
+        def started(_: concurrent.futures.Future) -> None:
+            work = mine()
+            if work is not None:
+                work._started()
+
+        starting.add_done_callback(started)
+
+    def _started(self) -> None:
         with self._lock:
             if self._state is WorkState.PENDING:
                 self._state = WorkState.RUNNING
@@ -165,7 +180,7 @@ class TPUWork(dist._Work):
             if self._state in _ENDED:
                 return
             self._error = error
-            self._finish = None
+            self._release()
             self._state = WorkState.FAILED
             future = self._future
         self._ended(future)
@@ -247,12 +262,13 @@ class TPUWork(dist._Work):
         """Wait for the program and run the finish step once; ``flush=False`` skips
         ``before_wait`` (a receive from any source's search for its sender), for helper
         threads."""
-        if flush and self._before_wait is not None and self._state not in _ENDED:
-            self._before_wait(True)
-        if self._complete_earlier is not None and self._state not in _ENDED:
+        before_wait, complete_earlier = self._before_wait, self._complete_earlier
+        if flush and before_wait is not None and self._state not in _ENDED:
+            before_wait(True)
+        if complete_earlier is not None and self._state not in _ENDED:
             # Earlier works of the group first: when a collective is complete, so are the
             # outputs of every collective issued before it on the group (as on gloo).
-            self._complete_earlier()
+            complete_earlier(self)
         with self._lock:
             if self._state in _ENDED:
                 return
@@ -275,13 +291,22 @@ class TPUWork(dist._Work):
                         f"tpu_dist: {self._description} failed: {err}"
                     )
                 self._error.__cause__ = err
-            self._arrays = []
+            self._release()
             _jaxlib.collect_garbage()  # frees result blocks whose tensors are gone
-            self._starting = None
-            self._finish = None
             self._state = WorkState.FAILED if self._error is not None else WorkState.DONE
             future = self._future
         self._ended(future)
+
+    def _release(self) -> None:
+        """Drop what only an unfinished work needs: its result blocks, its finish step and
+        the callables of the stages before it (which may refer back to this work, a point-to-
+        point op's do), so that an ended work holds nothing but its outputs."""
+        self._arrays = []
+        self._starting = None
+        self._finish = None
+        self._explain = None
+        self._complete_earlier = None
+        self._before_wait = None
 
     def _ended(self, future: torch.futures.Future | None) -> None:
         callbacks, self._done_callbacks = self._done_callbacks, []
@@ -302,8 +327,9 @@ class TPUWork(dist._Work):
         Raises:
             RuntimeError: not ready by then (the work stays in flight).
         """
-        if self._before_wait is not None:
-            self._before_wait(False)
+        before_wait = self._before_wait
+        if before_wait is not None:
+            before_wait(False)
         delay = 5e-5
         while self._state not in _ENDED and not self._outputs_ready():
             if self._interrupted is not None:
@@ -342,8 +368,9 @@ class TPUWork(dist._Work):
     def is_completed(self) -> bool:
         """True once the outputs are written (or the collective failed); never blocks."""
         if self._state not in _ENDED:
-            if self._before_wait is not None:
-                self._before_wait(True)
+            before_wait = self._before_wait
+            if before_wait is not None:
+                before_wait(True)
             self.complete_if_finished()
         return self._state in _ENDED
 
