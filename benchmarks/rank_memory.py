@@ -11,8 +11,8 @@ that after every optimizer step it notes its resident memory (``VmRSS``) and its
   growing (a cache, a leak);
 * with ``--tensors``: the peak tensor bytes of rank 0's second step as torch's MemTracker sees
   them (``tpu_dist.compile_job.StepMeter``; only tensors torch owns, not XLA's own buffers);
-* with ``--programs``: the "tpu" backend's programs built (``compile_count()``) and what its
-  caches hold, per rank.
+* the "tpu" backend's programs built (``compile_count()``) and what its caches hold, per
+  rank.
 
 A watchdog guards the machine (``benchmarks/memory_guard.py``): the script sums the RSS of
 every process the launcher started and kills them all (SIGKILL) when the sum passes
