@@ -30,24 +30,21 @@ runs in a second or two.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tpu_dist.compile_job import MATMUL_EFFICIENCY, DecoderShape, estimate_fsdp_tp_step
-from tpu_dist.compile_job._estimate import LLAMA3_1_70B, LLAMA3_1_405B
+from tpu_dist.compile_job import MATMUL_EFFICIENCY, estimate_fsdp_tp_step
+from tpu_dist.compile_job._estimate import LLAMA3_8B, LLAMA3_1_70B, LLAMA3_1_405B
 from tpu_dist.compile_job._op_costs import causal_block_fraction
 from tpu_dist.mesh import Topology
 
-LLAMA3_1_8B = DecoderShape(
-    name="Llama 3.1 8B", dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-    vocab_size=128256,
-)
-LLAMA2_70B = DecoderShape(
-    name="Llama 2 70B", dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-    vocab_size=32000,
-)
+# Llama 3.1 8B has Llama 3 8B's shapes; Llama 2 70B has Llama 3.1 70B's but a 32,000-token
+# vocabulary.
+LLAMA3_1_8B = dataclasses.replace(LLAMA3_8B, name="Llama 3.1 8B")
+LLAMA2_70B = dataclasses.replace(LLAMA3_1_70B, name="Llama 2 70B", vocab_size=32000)
 
 SEQ = 8192
 PUBLISHED = [
@@ -56,7 +53,6 @@ PUBLISHED = [
     (LLAMA3_1_405B, "tpu7x:4x8x8", 3, 98.34, 0.547),
     (LLAMA3_1_70B, "tpu7x:4x4x4", 2, 12.20, 0.523),
 ]
-
 
 # Recomputed under each recipe's remat policy (module docstring).
 SAVES_QKV_AND_CONTEXT = frozenset({"o", "mlp_in"})  # ironwood 70B: q, k, v, context kept
