@@ -179,11 +179,15 @@ def test_step_estimate_overlap_rules() -> None:
 
 def test_step_estimate_json_fields() -> None:
     """The report's ``"step"`` object has exactly the issue's fields and the model FLOPs its
-    MFU bound is computed from, JSON-serialisable."""
+    MFU bound is computed from, then the predicted step's (issue 53; None without the HBM
+    bandwidth and MXU size), JSON-serialisable."""
     est = step_estimate(flops_per_device=1e15, peak_flops_per_s=1e15, tokens_per_device=1)
     fields = ["flops_per_device", "model_flops_per_device", "compute_seconds", "comm_seconds", "exposed_comm_seconds",
               "step_seconds", "mfu_bound", "tokens_per_second_per_device", "hbm_peak_bytes",
-              "hbm_capacity_bytes"]
+              "hbm_capacity_bytes", "predicted_seconds", "predicted_mfu",
+              "predicted_matmul_seconds", "predicted_memory_seconds",
+              "predicted_exposed_comm_seconds", "predicted_tokens_per_second_per_device",
+              "memory_bound_bytes"]
     assert list(est.to_json()) == fields
     assert [f.name for f in __import__("dataclasses").fields(StepEstimate)] == fields
     assert json.loads(json.dumps(est.to_json()))["hbm_peak_bytes"] is None

@@ -22,7 +22,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpu_dist.compile_job import CompiledCall, StepMeter, StepRecord, step_report
+from tpu_dist.compile_job import (
+    MATMUL_EFFICIENCY,
+    CompiledCall,
+    StepMeter,
+    StepRecord,
+    step_report,
+)
 from tpu_dist.compile_job._step import step_svg
 from tpu_dist.mesh import Topology
 
@@ -305,12 +311,19 @@ def test_step_arithmetic_by_hand() -> None:
     assert e.hbm_peak_bytes == 98 << 30
     assert report.fits is False and report.hbm_verdict().startswith("short by 2.0 GiB")
     assert report.unestimated == 1
+    # The prediction (no matmul shapes recorded: not padded; no memory-bound bytes): matmuls
+    # 1 / MATMUL_EFFICIENCY s, the FSDP 1.5 s hides under them up to that, TP's 0.2 s adds.
+    matmul = 1 / MATMUL_EFFICIENCY
+    assert e.predicted_matmul_seconds == pytest.approx(matmul)
+    assert e.predicted_memory_seconds == 0
+    assert e.predicted_seconds == pytest.approx(matmul + 0.2 + max(0.0, 1.5 - matmul))
+    assert e.predicted_seconds >= e.step_seconds
     assert [(c.op, c.calls) for c in report.costs] == [("all_gather_into_tensor", 3),
                                                        ("all_reduce", 2)]
     data = report.to_json()
     for field in ("flops_per_device", "compute_seconds", "comm_seconds", "exposed_comm_seconds",
                   "step_seconds", "mfu_bound", "tokens_per_second_per_device", "hbm_peak_bytes",
-                  "hbm_capacity_bytes"):
+                  "hbm_capacity_bytes", "predicted_seconds", "predicted_mfu"):
         assert field in data
     svg = ET.fromstring(step_svg(report, "a <title> & more"))
     assert svg.tag.endswith("svg")
@@ -424,6 +437,20 @@ def test_example_step_object(example_run: tuple[int, str, dict, str]) -> None:
     assert step["hbm_capacity_bytes"] == 95 * 2**30 and step["hbm_fits"] is True
     assert step["memory_bytes"]["Parameter"] > 0
     assert "step (the 2nd of 2, per device)" in out and "costliest collectives" in out
+    # The prediction beside the bound: never below it, its terms adding up, the meter's bytes
+    # of memory-bound ops at v5p's HBM bandwidth (2,765 GB/s a chip, one device a chip).
+    assert step["predicted_seconds"] >= step["step_seconds"]
+    assert step["predicted_seconds"] == pytest.approx(
+        step["predicted_matmul_seconds"] + step["predicted_memory_seconds"]
+        + step["predicted_exposed_comm_seconds"])
+    assert step["predicted_matmul_seconds"] >= step["compute_seconds"] / MATMUL_EFFICIENCY
+    assert step["memory_bound_bytes"] > 0
+    assert step["predicted_memory_seconds"] == pytest.approx(
+        step["memory_bound_bytes"] / 2765e9)
+    assert step["predicted_mfu"] == pytest.approx(
+        step["model_flops_per_device"] / (step["predicted_seconds"] * peak))
+    assert step["predicted_mfu"] <= step["mfu_bound"]
+    assert "predicted step:" in out
     assert ET.parse(svg).getroot().tag.endswith("svg")
 
 

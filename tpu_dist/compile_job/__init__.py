@@ -29,7 +29,9 @@ ranks there), and reports on every collective the script issued. The pieces, in 
    picture (:func:`write_step_picture`, ``X.step.svg`` next to ``X.json``).
 6. The step model (:func:`estimate_fsdp_tp_step`, :class:`StepEstimate`): a training step's
    lower bound from the model's FLOPs at the device's peak and the communication that cannot
-   overlap compute (pure arithmetic; see ``tpu_dist/compile_job/_estimate.py``).
+   overlap compute, and the step to expect (:func:`predict_step`: matmuls padded to the MXU at
+   a fitted efficiency, memory-bound work at HBM bandwidth, the communication compute does not
+   hide); pure arithmetic, see ``tpu_dist/compile_job/_estimate.py``.
 7. TorchTPU's ``"tpu"`` device, emulated for scripts written for TorchTPU
    (:meth:`Session.emulate_tpu_device`, ``tpu_dist/compile_job/_tpu_device.py``): ``"tpu:N"``
    tensors (fake), ``torch.tpu``, torch's accelerator and c10d backend for ``"tpu"``.
@@ -51,8 +53,10 @@ from tpu_dist.compile_job._compile import (
     write_report,
 )
 from tpu_dist.compile_job._estimate import (
+    MATMUL_EFFICIENCY,
     CollectiveTime,
     DecoderShape,
+    Prediction,
     StepCollective,
     StepEstimate,
     collective_time,
@@ -60,6 +64,7 @@ from tpu_dist.compile_job._estimate import (
     flops_per_device,
     flops_per_token,
     fsdp_tp_collectives,
+    predict_step,
     step_estimate,
 )
 from tpu_dist.compile_job._fake import LargeTensorsFake
@@ -80,11 +85,13 @@ from tpu_dist.compile_job._session import (
 
 __all__ = [
     "COMPILE_ONLY_ENV",
+    "MATMUL_EFFICIENCY",
     "CollectiveTime",
     "CompileReport",
     "CompiledCall",
     "DecoderShape",
     "LargeTensorsFake",
+    "Prediction",
     "SaveRefused",
     "Session",
     "StepCollective",
@@ -101,6 +108,7 @@ __all__ = [
     "flops_per_device",
     "flops_per_token",
     "fsdp_tp_collectives",
+    "predict_step",
     "refusing_saves",
     "step_estimate",
     "step_report",

@@ -54,6 +54,33 @@ them); ``step >= compute + exposed``, the exposed communication being the critic
 whatever overlappable communication exceeds compute. The MFU bound is the model FLOPs over
 (step bound x peak): no real step does better. Lower bounds, not predictions: they leave out
 memory-bound work (norms, softmax, optimizer), remat, kernel efficiency and stragglers.
+
+**A predicted step** (:func:`predict_step`, beside the bound; decision 0034): the time to
+expect, from three terms and the bound's overlap rule, with one fitted parameter.
+
+* Matmuls (every op with a FLOP formula: :mod:`._op_costs`) at
+  ``padded FLOPs / (peak x MATMUL_EFFICIENCY)``. Padded FLOPs (:func:`padded_matmul_flops`):
+  each matmul's ``(M, K, N)`` rounded up to the MXU's tile (:attr:`tpu_dist.mesh.Generation.
+  mxu_size`: 128 on v4/v5e/v5p, 256 on v6e/TPU7x), its FLOPs scaled by the padded volume over
+  the real one (the MXU multiplies whole tiles; the JAX scaling book, "How to Scale Your
+  Model", the TPU chapter). Attention's head dimension of 128 on a 256-wide MXU runs at half
+  rate this way. :data:`MATMUL_EFFICIENCY` is the fraction of the padded peak the compiled
+  matmuls reach (pipeline fill, VMEM traffic, scheduling): fitted once, on MaxText's Llama 3.1
+  70B on 256 TPU7x chips, and used for every generation and model.
+* Memory-bound work (everything else) at ``bytes / HBM bandwidth`` (the generation's
+  ``hbm_gbytes_per_s_per_chip``): the bytes its ops read and write. The step meter counts them
+  op by op, unfused (an upper bound: :mod:`._op_costs`); the analytic decoder
+  (:func:`decoder_step_costs`) counts what an XLA program that fuses each elementwise chain
+  moves.
+* Recomputation: the matmuls and memory-bound ops a checkpointed backward runs again are in
+  both counts (the meter sees them run; the analytic decoder is told what is recomputed).
+* Communication: the bound's terms (each collective's latency plus bandwidth), the
+  overlappable part (FSDP's) hidden under the predicted compute (matmuls + memory-bound work),
+  the critical path (tensor parallelism's) added whole.
+
+``predicted = matmul + memory + critical + max(0, overlappable - (matmul + memory))``;
+``predicted_mfu = model FLOPs / (predicted x peak)``. It is never below the bound: padded
+FLOPs are at least the FLOPs, the efficiency is below 1, and memory time is not negative.
 """
 
 from __future__ import annotations
@@ -69,6 +96,11 @@ from tpu_dist.mesh import Topology, bus_factor, expected_busbw, plan_mesh
 
 __all__ = [
     "DCN_STEP_SECONDS",
+    "MATMUL_EFFICIENCY",
+    "Prediction",
+    "decoder_step_costs",
+    "padded_matmul_flops",
+    "predict_step",
     "ICI_HOP_SECONDS",
     "LLAMA3_1_70B",
     "LLAMA3_1_405B",
@@ -368,6 +400,21 @@ class StepEstimate:
     """Peak HBM one device needs for the step; None when not tracked."""
     hbm_capacity_bytes: int | None
     """The device's HBM (:attr:`tpu_dist.mesh.Generation.hbm_bytes_per_device`)."""
+    predicted_seconds: float | None = None
+    """The step to expect (:func:`predict_step`); None when the generation lacks the HBM
+    bandwidth or MXU size the prediction needs."""
+    predicted_mfu: float | None = None
+    """``model_flops_per_device / (predicted_seconds * peak)``."""
+    predicted_matmul_seconds: float | None = None
+    """The prediction's matmul term: padded FLOPs at ``peak x MATMUL_EFFICIENCY``."""
+    predicted_memory_seconds: float | None = None
+    """The prediction's memory-bound term: bytes at the HBM bandwidth."""
+    predicted_exposed_comm_seconds: float | None = None
+    """Communication the predicted compute does not hide."""
+    predicted_tokens_per_second_per_device: float | None = None
+    """The step's tokens per device over ``predicted_seconds``."""
+    memory_bound_bytes: float | None = None
+    """Bytes the memory-bound ops read and write (the prediction's input)."""
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -383,11 +430,19 @@ def step_estimate(
     hbm_capacity_bytes: int | None = None,
     hbm_peak_bytes: int | None = None,
     model_flops_per_device: float | None = None,
+    matmul_flops: MatmulFlops | None = None,
+    memory_bytes: float = 0.0,
+    hbm_bytes_per_s: float | None = None,
+    mxu_size: int | None = None,
 ) -> StepEstimate:
-    """The step's lower bound from its compute and communication (module docstring).
+    """The step's lower bound from its compute and communication, and the predicted step
+    (module docstring).
 
     ``model_flops_per_device`` is MFU's numerator when it differs from the FLOPs computed (a
-    measured step that recomputes activations); default: ``flops_per_device``.
+    measured step that recomputes activations); default: ``flops_per_device``. The prediction
+    (:func:`predict_step`) needs ``hbm_bytes_per_s`` and ``mxu_size`` (else its fields are
+    None); ``matmul_flops`` are the FLOPs by matmul shape (default: ``flops_per_device``, not
+    padded), ``memory_bytes`` the memory-bound ops' bytes.
 
     Raises:
         ValueError: a non-positive peak, or negative FLOPs, tokens or seconds.
@@ -406,6 +461,25 @@ def step_estimate(
     compute = flops_per_device / peak_flops_per_s
     exposed = critical_comm_seconds + max(0.0, overlappable_comm_seconds - compute)
     step = compute + exposed
+    predicted: dict[str, float] = {}
+    if hbm_bytes_per_s is not None and mxu_size is not None:
+        p = predict_step(
+            matmul_flops={None: flops_per_device} if matmul_flops is None else matmul_flops,
+            memory_bytes=memory_bytes, peak_flops_per_s=peak_flops_per_s,
+            hbm_bytes_per_s=hbm_bytes_per_s, mxu_size=mxu_size,
+            overlappable_comm_seconds=overlappable_comm_seconds,
+            critical_comm_seconds=critical_comm_seconds)
+        predicted = dict(
+            predicted_seconds=p.seconds,
+            predicted_mfu=model_flops_per_device / (p.seconds * peak_flops_per_s)
+            if p.seconds > 0 else 0.0,
+            predicted_matmul_seconds=p.matmul_seconds,
+            predicted_memory_seconds=p.memory_seconds,
+            predicted_exposed_comm_seconds=p.exposed_comm_seconds,
+            predicted_tokens_per_second_per_device=tokens_per_device / p.seconds
+            if p.seconds > 0 else 0.0,
+            memory_bound_bytes=float(memory_bytes),
+        )
     return StepEstimate(
         flops_per_device=flops_per_device,
         model_flops_per_device=model_flops_per_device,
@@ -417,7 +491,168 @@ def step_estimate(
         tokens_per_second_per_device=tokens_per_device / step if step > 0 else 0.0,
         hbm_peak_bytes=hbm_peak_bytes,
         hbm_capacity_bytes=hbm_capacity_bytes,
+        **predicted,
     )
+
+
+# -- the predicted step ---------------------------------------------------------------------------
+
+MATMUL_EFFICIENCY = 0.7175
+"""The fraction of the MXU-padded peak that a step's matmuls reach (module docstring): fitted
+once, on MaxText's Llama 3.1 70B, pure FSDP on 256 TPU7x chips (``tpu7x:4x8x8``, 2 sequences of
+8192 a device, MaxText's ``remat_policy=custom`` saving q, k, v and the attention output:
+12.27 s a step; AI-Hypercomputer/tpu-recipes, training/ironwood), so that
+:func:`estimate_fsdp_tp_step` predicts that step exactly; every other published result is a
+check (``benchmarks/step_estimate_check.py``, decision 0034). One number for every generation
+and model: no per-model factor."""
+
+MatmulFlops = dict[tuple[int, int, int] | None, float]
+"""FLOPs by the ``(M, K, N)`` of the matmul that ran them (None: not padded, a convolution)."""
+
+
+def padded_matmul_flops(matmul_flops: MatmulFlops, mxu_size: int | None) -> float:
+    """The FLOPs the MXU spends on ``matmul_flops``: each shape's ``M``, ``K`` and ``N``
+    rounded up to a multiple of ``mxu_size`` (the MXU multiplies whole ``mxu_size``-square
+    tiles), its FLOPs scaled by the padded volume over the real one.
+
+    ``{(1000, 128, 4096): 1e9}`` on a 256-wide MXU: ``1024 x 256 x 4096 / (1000 x 128 x 4096)
+    = 2.048``, so 2.048e9. Shapes of None, or ``mxu_size`` None, are not padded."""
+    total = 0.0
+    for dims, flops in matmul_flops.items():
+        if dims is None or mxu_size is None or 0 in dims:
+            total += flops
+            continue
+        real = math.prod(dims)
+        padded = math.prod(-(-d // mxu_size) * mxu_size for d in dims)
+        total += flops * padded / real
+    return total
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """A predicted step by term (module docstring)."""
+
+    matmul_seconds: float
+    memory_seconds: float
+    exposed_comm_seconds: float
+
+    @property
+    def seconds(self) -> float:
+        return self.matmul_seconds + self.memory_seconds + self.exposed_comm_seconds
+
+
+def predict_step(
+    *,
+    matmul_flops: MatmulFlops,
+    memory_bytes: float,
+    peak_flops_per_s: float,
+    hbm_bytes_per_s: float,
+    mxu_size: int | None,
+    overlappable_comm_seconds: float = 0.0,
+    critical_comm_seconds: float = 0.0,
+    efficiency: float | None = None,
+) -> Prediction:
+    """The step to expect (module docstring): ``padded_matmul_flops / (peak x efficiency) +
+    memory_bytes / hbm_bytes_per_s + critical + max(0, overlappable - compute)``.
+
+    ``efficiency`` defaults to :data:`MATMUL_EFFICIENCY`.
+
+    Raises:
+        ValueError: a non-positive rate or efficiency above 1.
+    """
+    efficiency = MATMUL_EFFICIENCY if efficiency is None else efficiency
+    if not peak_flops_per_s > 0 or not hbm_bytes_per_s > 0 or not 0 < efficiency <= 1:
+        raise ValueError(
+            f"peak_flops_per_s and hbm_bytes_per_s must be positive and efficiency in (0, 1], "
+            f"got {peak_flops_per_s=} {hbm_bytes_per_s=} {efficiency=}")
+    matmul = padded_matmul_flops(matmul_flops, mxu_size) / (peak_flops_per_s * efficiency)
+    memory = memory_bytes / hbm_bytes_per_s
+    compute = matmul + memory
+    exposed = critical_comm_seconds + max(0.0, overlappable_comm_seconds - compute)
+    return Prediction(matmul_seconds=matmul, memory_seconds=memory, exposed_comm_seconds=exposed)
+
+
+Recomputed = Literal["q", "k", "v", "attention", "o", "mlp_in", "mlp_out"]
+"""What a checkpointed decoder block can run again in its backward: its projections (``o``
+the attention output's, ``mlp_in`` the SwiGLU's two input ones, ``mlp_out`` its output one)
+and the attention kernel's forward."""
+
+
+def decoder_step_costs(
+    shape: DecoderShape,
+    *,
+    batch_per_dp_rank: int,
+    seq_len: int,
+    tp: int = 1,
+    recompute: frozenset[str] | set[str] = frozenset(),
+    attention_fraction: float = 1.0,
+    activation_bytes: int = 2,
+    optimizer_bytes_per_param: int = 28,
+    dp: int = 1,
+) -> tuple[MatmulFlops, float]:
+    """One device's matmul FLOPs by shape and memory-bound bytes for a training step of
+    ``shape`` (the analytic twin of what the step meter measures; module docstring).
+
+    Per device ``T = batch_per_dp_rank x seq_len`` tokens, each weight matmul split over ``tp``
+    (its output or input width / tp). Matmuls (``(M, K, N)``, FLOPs): per block q ``(T, dim,
+    H d_h / tp)``, k and v ``(T, dim, H_kv d_h / tp)``, o ``(T, H d_h / tp, dim)``, the MLP's
+    two inputs ``(T, dim, ffn / tp)`` and output ``(T, ffn / tp, dim)``, ``2 M K N`` each in the
+    forward and twice that in the backward (its two gradient matmuls have the same three
+    dimensions, so the same padding), once more for each projection in ``recompute``; the
+    output projection ``(T, dim, vocab / tp)`` likewise. Attention ``(seq, d_h, seq)`` per
+    head: the forward's two matmuls ``4 seq^2 d_h`` a sequence and head, the backward's five
+    (it recomputes the scores), ``attention_fraction`` of it computed (a block-causal kernel's
+    share: :func:`~._op_costs.causal_block_fraction`), the forward once more if ``"attention"``
+    is in ``recompute``.
+
+    Memory-bound bytes (activations of ``activation_bytes``), as a fusing compiler runs each
+    elementwise chain (read its inputs, write its outputs, once), per token and block, sharded
+    over ``tp`` (sequence parallelism for the ``dim``-wide, heads and ``ffn`` for the rest):
+    forward: two norms ``2 dim`` each, rotary on q and k ``2 (H + H_kv) d_h``, two residual
+    adds ``3 dim`` each, the SwiGLU product ``3 ffn``: ``10 dim + 2 (H + H_kv) d_h + 3 ffn``;
+    backward: norms ``3 dim`` each (read the gradient and the input, write one), rotary the
+    same as forward, residuals ``3 dim`` each, SwiGLU ``5 ffn`` (read the gradient and both
+    inputs, write two): ``12 dim + 2 (H + H_kv) d_h + 5 ffn``; a block that recomputes
+    anything runs its forward's elementwise work again. Plus the final norm (``5 dim``) and
+    the loss over the logits (read them, read them again and write their gradient: ``3 vocab
+    / tp``), and the optimizer's update of the device's parameter shard (``params / (dp x
+    tp)``; AdamW in fp32: read parameter, gradient and two moments, write three: 28 bytes).
+
+    Raises:
+        ValueError: an unknown name in ``recompute``.
+    """
+    unknown = set(recompute) - set(Recomputed.__args__)
+    if unknown:
+        raise ValueError(f"recompute names {sorted(unknown)} are not among "
+                         f"{list(Recomputed.__args__)}")
+    t = batch_per_dp_rank * seq_len
+    d, f, dh = shape.dim, shape.ffn_dim, shape.head_dim
+    q, kv = shape.n_heads * dh, shape.n_kv_heads * dh
+    flops: MatmulFlops = {}
+
+    def add(dims: tuple[int, int, int], amount: float) -> None:
+        flops[dims] = flops.get(dims, 0.0) + amount
+
+    layer = [("q", (t, d, q // tp), 1), ("k", (t, d, kv // tp), 1), ("v", (t, d, kv // tp), 1),
+             ("o", (t, q // tp, d), 1), ("mlp_in", (t, d, f // tp), 2),
+             ("mlp_out", (t, f // tp, d), 1)]
+    for name, dims, count in layer:
+        runs = 3 + (1 if name in recompute else 0)  # forward, backward x 2, recomputed
+        add(dims, shape.n_layers * count * runs * 2 * math.prod(dims))
+    heads = shape.n_heads // tp
+    attention_forward = batch_per_dp_rank * heads * 4 * seq_len * seq_len * dh
+    runs = 2 + 5 + (2 if "attention" in recompute else 0)  # in units of one s x s matmul
+    add((seq_len, dh, seq_len),
+        shape.n_layers * attention_forward / 2 * runs * attention_fraction)
+    add((t, d, shape.vocab_size // tp), 3 * 2 * t * d * (shape.vocab_size // tp))
+
+    forward = 10 * d + 2 * (q + kv) + 3 * f
+    backward = 12 * d + 2 * (q + kv) + 5 * f
+    per_token_layer = forward + backward + (forward if recompute else 0)
+    per_token = shape.n_layers * per_token_layer + 5 * d + 3 * shape.vocab_size
+    memory = t / tp * per_token * activation_bytes
+    memory += shape.params / (dp * tp) * optimizer_bytes_per_param
+    return flops, memory
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -517,10 +752,14 @@ def estimate_fsdp_tp_step(
     tp: int = 1,
     convention: FlopsConvention = "torchtitan",
     grad_bytes: int = 4,
+    recompute: frozenset[str] | set[str] = frozenset(),
+    attention_fraction: float = 1.0,
 ) -> tuple[StepEstimate, list[StepCollective]]:
     """The step lower bound of ``shape`` trained with FSDP x TP over every device of
-    ``topology`` (:func:`fsdp_tp_collectives`, :func:`step_estimate`), and its collectives,
-    costliest first.
+    ``topology`` (:func:`fsdp_tp_collectives`, :func:`step_estimate`), its predicted step
+    (:func:`decoder_step_costs` with ``recompute`` and ``attention_fraction``, the FLOPs and
+    bytes that run; :func:`predict_step`), and its collectives, costliest first. The bound's
+    compute is the model FLOPs in ``convention`` (no recomputation), as before.
 
     Raises:
         ValueError: the generation has no peak FLOP/s figure, or the batch does not split.
@@ -538,6 +777,9 @@ def estimate_fsdp_tp_step(
     collectives = fsdp_tp_collectives(shape, topology, tp=tp,
                                       batch_per_dp_rank=global_batch // dp, seq_len=seq_len,
                                       grad_bytes=grad_bytes)
+    matmul_flops, memory_bytes = decoder_step_costs(
+        shape, batch_per_dp_rank=global_batch // dp, seq_len=seq_len, tp=tp, dp=dp,
+        recompute=recompute, attention_fraction=attention_fraction)
     step = step_estimate(
         flops_per_device=flops,
         peak_flops_per_s=peak,
@@ -545,5 +787,9 @@ def estimate_fsdp_tp_step(
         overlappable_comm_seconds=sum(c.seconds for c in collectives if c.overlappable),
         critical_comm_seconds=sum(c.seconds for c in collectives if not c.overlappable),
         hbm_capacity_bytes=gen.hbm_bytes_per_device,
+        matmul_flops=matmul_flops,
+        memory_bytes=memory_bytes,
+        hbm_bytes_per_s=gen.hbm_bytes_per_s_per_device,
+        mxu_size=gen.mxu_size,
     )
     return step, sorted(collectives, key=lambda c: -c.seconds)

@@ -22,9 +22,23 @@ outputs (fake tensors in a compile-only run: shapes, no data), and says what it 
   as its FLOPs but for attention, which is counted over the whole square (TorchTitan's
   ``6 N + 12 L H d_h s`` a token has no causal discount), block mask or not.
 * **Tokens** (:attr:`OpCost.token_ids`): the token ids an embedding lookup reads.
+* **Bytes** (:attr:`OpCost.bytes_moved`): what the op reads and writes in memory, its tensor
+  inputs' bytes plus its outputs' (an in-place op's operand counts as read and as written), as
+  the op runs alone: **no fusion** (an XLA program fuses chains of elementwise ops and reads
+  their intermediates from VMEM, not HBM: this count is then an upper bound of the step's
+  memory traffic; decision 0034). A view (``func.is_view``: ``view``, ``transpose``, ``t``,
+  ``expand``, ...) moves nothing, nor does an allocation (``empty``) or a collective (the
+  recorder prices those).
+* **Kind** (:attr:`OpCost.matmul`): matmul-like ops (those with a FLOP formula: ``mm``,
+  ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, ``_grouped_mm``, the attention kernels,
+  convolutions) run on the MXU, at a rate that depends on their shape
+  (:attr:`OpCost.mxu_dims`: the ``(M, K, N)`` of the op's matmul, which the step model pads to
+  the MXU's tiles); everything else (norms, softmax, elementwise, the optimizer's update, the
+  loss) is memory-bound: its time is its bytes over the HBM bandwidth
+  (:func:`tpu_dist.compile_job.predict_step`).
 
-A new per-op quantity (bytes read and written, say) is a field of :class:`OpCost` computed
-here; the meter sums every field over the step.
+A new per-op quantity is a field of :class:`OpCost` computed here; the meter sums every field
+over the step.
 """
 
 from __future__ import annotations
@@ -42,7 +56,7 @@ from torch.utils.flop_counter import (
     shape_wrapper,
 )
 
-__all__ = ["OpCost", "has_formula", "op_cost"]
+__all__ = ["OpCost", "bytes_moved", "has_formula", "op_cost"]
 
 _aten = torch.ops.aten
 
@@ -57,9 +71,54 @@ class OpCost:
     """The op's FLOPs as MFU counts them (attention over the whole square)."""
     token_ids: int = 0
     """Token ids read (an embedding lookup's indices)."""
+    bytes_moved: int = 0
+    """Bytes the op reads and writes, unfused (module docstring)."""
+    matmul: bool = False
+    """Whether the op runs on the MXU (it has a FLOP formula), else it is memory-bound."""
+    mxu_dims: tuple[int, int, int] | None = None
+    """``(M, K, N)`` of the op's matmul (attention: ``(s_q, d_head, s_kv)``, the shape of its
+    score matmul, whose padding its value matmul shares); None: not padded (a convolution)."""
 
 
 _NOTHING = OpCost()
+_FREE = ("_c10d_functional", "c10d", "prim", "profiler")
+"""Namespaces of ops that move no bytes of their own (collectives are priced apart)."""
+_ALLOCATIONS = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty,
+                _aten.new_empty_strided, _aten._local_scalar_dense}
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value if isinstance(v, (torch.Tensor, list, tuple)))
+    return 0
+
+
+def bytes_moved(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
+    """Bytes ``func`` reads and writes: its tensor inputs and outputs (module docstring)."""
+    if getattr(func, "is_view", False) or _packet(func) in _ALLOCATIONS or getattr(
+            func, "namespace", None) in _FREE:
+        return 0
+    return _nbytes(args) + _nbytes(tuple(kwargs.values())) + _nbytes(out)
+
+
+def _matmul_dims(func: Any, args: tuple) -> tuple[int, int, int] | None:
+    """``(M, K, N)`` of a matmul-like op (:attr:`OpCost.mxu_dims`), from its operands."""
+    packet = _packet(func)
+    if packet in (_aten.mm, _aten.bmm, _aten._scaled_mm, _aten._grouped_mm):
+        a, b = args[0], args[1]
+    elif packet in (_aten.addmm, _aten.baddbmm):
+        a, b = args[1], args[2]
+    elif packet in _ATTENTION or func in _FLEX_BLOCK_MASK:
+        # The forward takes (query, key, ...), torch's backwards (grad_out, query, key, ...),
+        # FlexAttention's backward (query, key, ...); (..., s, d) each.
+        backward = packet in _ATTENTION and "backward" in str(packet)
+        q, k = (args[1], args[2]) if backward else (args[0], args[1])
+        return int(q.shape[-2]), int(q.shape[-1]), int(k.shape[-2])
+    else:
+        return None  # convolutions: not padded
+    return int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
 
 
 def _attention(query: Any, key: Any, value: Any, *args: Any, out_shape: Any = None,
@@ -96,6 +155,12 @@ _MORE = {
 }
 """Kernels torch 2.13 has no formula for (module docstring)."""
 
+_ATTENTION = {
+    packet for packet in (*flop_registry, *_MORE)
+    if "attention" in str(packet) and "flex" not in str(packet)
+}
+"""The attention kernels among the ops with a FLOP formula."""
+
 _FORMULAS = {**flop_registry, **{op: shape_wrapper(f) for op, f in _MORE.items()}}
 """Op (overload packet, or higher-order op) -> ``f(*args, out_val=out, **kwargs)`` -> FLOPs."""
 
@@ -125,16 +190,20 @@ def has_formula(func: Any) -> bool:
 
 def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> OpCost:
     """What running ``func(*args, **kwargs)``, which gave ``out``, cost (module docstring)."""
+    moved = bytes_moved(func, args, kwargs, out)
     if func is _aten.embedding.default:
-        return OpCost(token_ids=args[1].numel())
+        return OpCost(token_ids=args[1].numel(), bytes_moved=moved)
     formula = _FORMULAS.get(_packet(func))
     if formula is None:
-        return _NOTHING
+        return OpCost(bytes_moved=moved) if moved else _NOTHING
     flops = int(formula(*args, **kwargs, out_val=out))
+    dims = _matmul_dims(func, args)
     if func in _FLEX_BLOCK_MASK:
         fraction = computed_block_fraction(args[_FLEX_BLOCK_MASK[func]])
-        return OpCost(flops=math.ceil(flops * fraction), model_flops=flops)
-    return OpCost(flops=flops, model_flops=flops)
+        return OpCost(flops=math.ceil(flops * fraction), model_flops=flops, bytes_moved=moved,
+                      matmul=True, mxu_dims=dims)
+    return OpCost(flops=flops, model_flops=flops, bytes_moved=moved, matmul=True,
+                  mxu_dims=dims)
 
 
 def computed_block_fraction(block_mask: tuple) -> float:

@@ -62,7 +62,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch._ops import HigherOrderOperator
 
 from tpu_dist.compile_job._compile import _human_bytes, _human_seconds
-from tpu_dist.compile_job._estimate import StepEstimate, step_estimate
+from tpu_dist.compile_job._estimate import MATMUL_EFFICIENCY, StepEstimate, step_estimate
 from tpu_dist.compile_job._op_costs import OpCost, has_formula, op_cost
 
 if TYPE_CHECKING:
@@ -183,6 +183,12 @@ class _OpCounter:
         """The model FLOPs of ops run outside autograd's backward (the forward pass; a
         recomputed forward under activation checkpointing runs inside the backward and is not
         here)."""
+        self.memory_bytes = 0
+        """Bytes read and written by memory-bound ops (every op but the matmul-like ones;
+        recomputation included)."""
+        self.matmul_flops: dict[tuple[int, int, int] | None, int] = {}
+        """FLOPs of matmul-like ops by their ``(M, K, N)`` (:attr:`~._op_costs.OpCost.mxu_dims`;
+        None: not padded): a few dozen shapes a step, padded to the MXU in the report."""
         self.mode: _LocalOpsMode | None = None
         self.lookup_table: Any = None
         """The ``nn.Embedding`` whose forward is running, for the next embedding lookup on
@@ -191,6 +197,11 @@ class _OpCounter:
 
     def add(self, cost: OpCost) -> None:
         self.flops += cost.flops
+        if cost.matmul:
+            dims = cost.mxu_dims
+            self.matmul_flops[dims] = self.matmul_flops.get(dims, 0) + cost.flops
+        else:
+            self.memory_bytes += cost.bytes_moved
         if cost.token_ids:
             table, self.lookup_table = self.lookup_table, None
             self.token_ids += cost.token_ids / _shared_by(table)
@@ -395,6 +406,12 @@ class StepRecord:
     """The step's model FLOPs (MFU's numerator): 3x its forward pass's FLOPs, which is
     TorchTitan's 6N + 12 L H d_h s a token (each matmul's backward is twice its forward; no
     recomputation, no causal discount); None: take :attr:`flops`."""
+    memory_bytes: int = 0
+    """Bytes read and written by the step's memory-bound ops, unfused
+    (:attr:`~._op_costs.OpCost.bytes_moved`; recomputation included)."""
+    matmul_flops: dict[tuple[int, int, int] | None, int] = dataclasses.field(
+        default_factory=dict)
+    """The step's matmul FLOPs by ``(M, K, N)`` (None: a convolution, not padded)."""
 
 
 class StepMeter:
@@ -510,7 +527,9 @@ class StepMeter:
             index=len(self.steps), flops=flops - self._flops_at_start,
             tokens=tokens - self._tokens_at_start, peak_bytes=peak, peak_breakdown=kinds,
             model_flops=3 * (forward - self._forward_flops_at_start),
+            memory_bytes=self._flops.memory_bytes, matmul_flops=dict(self._flops.matmul_flops),
         ))
+        self._flops.memory_bytes, self._flops.matmul_flops = 0, {}
         self._flops_at_start, self._tokens_at_start = flops, tokens
         self._forward_flops_at_start = forward
         self._fresh = True
@@ -632,6 +651,16 @@ class StepReport:
             f"peak, communication {_secs(e.comm_seconds)} of which {_secs(e.exposed_comm_seconds)}"
             f" exposed; step >= {_secs(e.step_seconds)}, MFU <= {100 * e.mfu_bound:.1f} %, "
             f"<= {e.tokens_per_second_per_device:,.0f} tokens/s per device",
+        ]
+        if e.predicted_seconds is not None:
+            lines.append(
+                f"predicted step: {_secs(e.predicted_seconds)} (matmuls "
+                f"{_secs(e.predicted_matmul_seconds)} at {MATMUL_EFFICIENCY:.0%} of the "
+                f"MXU-padded peak, memory-bound ops {_secs(e.predicted_memory_seconds)} at HBM "
+                f"bandwidth unfused, exposed communication "
+                f"{_secs(e.predicted_exposed_comm_seconds)}), MFU ~{100 * e.predicted_mfu:.1f} %,"
+                f" ~{e.predicted_tokens_per_second_per_device:,.0f} tokens/s per device")
+        lines += [
             f"memory per device: {self.hbm_verdict()}; tensors at peak "
             + (", ".join(f"{k} {_gib(v)}" for k, v in sorted(self.memory.items(),
                                                               key=lambda kv: -kv[1]))
@@ -664,7 +693,11 @@ STEP_RULES = (
     "compute_seconds), DTensor's (tensor parallelism) and the script's own on the critical "
     "path; step_seconds = compute + exposed, a lower bound; mfu_bound = model_flops / "
     "(step_seconds * peak), model_flops = 3 x the forward pass's flops (TorchTitan's 6N + "
-    "12 L H d_h s a token: no recomputation, no causal discount); hbm_peak_bytes = MemTracker's peak tensor bytes in the step + the largest "
+    "12 L H d_h s a token: no recomputation, no causal discount); predicted_seconds = matmul "
+    "flops padded to the MXU's tiles at peak x MATMUL_EFFICIENCY (fitted once on a published "
+    "TPU7x step) + the memory-bound ops' bytes (read and written, unfused: an upper bound) "
+    "at HBM bandwidth + the critical-path collectives + the overlappable ones beyond that "
+    "compute; predicted_mfu = model_flops / (predicted_seconds * peak); hbm_peak_bytes = MemTracker's peak tensor bytes in the step + the largest "
     "program scratch (temp_bytes); XLA's fusion buffers for compute are not included"
 )
 
@@ -734,6 +767,10 @@ def step_report(
         hbm_capacity_bytes=gen.hbm_bytes_per_device,
         hbm_peak_bytes=hbm_peak,
         model_flops_per_device=record.model_flops,
+        matmul_flops=dict(record.matmul_flops) or None,
+        memory_bytes=record.memory_bytes,
+        hbm_bytes_per_s=gen.hbm_bytes_per_s_per_device,
+        mxu_size=gen.mxu_size,
     )
     return StepReport(
         estimate=estimate,

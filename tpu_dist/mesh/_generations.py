@@ -139,6 +139,12 @@ class Generation:
     :attr:`hbm_bytes_per_s_per_device`."""
     compute_source: str = ""
     """Where the three compute and memory figures above come from (a Cloud TPU docs page)."""
+    mxu_size: int | None = None
+    """Side of the MXU's systolic array (its matmul tile), or None: not known. 128 on v4, v5e
+    and v5p, 256 on v6e (the JAX scaling book, "How to Scale Your Model", the TPU chapter: 128 x
+    128 up to v5, 256 x 256 on v6e; cloud.google.com/tpu/docs/v6e: two MXUs a TensorCore);
+    TPU7x: 256, **assumed** as v6e's (no source stored here states Ironwood's). The predicted
+    step pads each matmul's dimensions to it (:func:`tpu_dist.compile_job.predict_step`)."""
     collectives_span_slice: bool = False
     """Whether the TPU compiler compiles a collective over part of a slice only inside a program
     over the whole slice (libtpu, docs/reference/libtpu.md; on v5e: ``device assignment should
@@ -445,6 +451,7 @@ V4 = register_generation(
     Generation(
         name="v4",
         device_kind="TPU v4",
+        mxu_size=128,
         libtpu_name="v4",
         torus_ndim=3,
         tensorcores_per_chip=2,
@@ -481,6 +488,7 @@ V5E = register_generation(
         collectives_span_slice=True,
         aliases=("v5lite",),
         device_kind="TPU v5 lite",
+        mxu_size=128,
         other_device_kinds=("TPU v5e",),  # jax/_src/mesh_utils.py knows this spelling too
         libtpu_name="v5e",
         torus_ndim=2,
@@ -522,6 +530,7 @@ V5P = register_generation(
         # What the runtime reports (libtpu: docs/reference/libtpu.md; JAX's TPU tests and
         # MaxText match on it).
         device_kind="TPU v5",
+        mxu_size=128,
         other_device_kinds=("TPU v5p",),  # jax/_src/mesh_utils.py's spelling
         libtpu_name="v5p",
         torus_ndim=3,
@@ -558,6 +567,7 @@ V6E = register_generation(
         collectives_span_slice=True,
         aliases=("trillium",),
         device_kind="TPU v6 lite",
+        mxu_size=256,
         libtpu_name="v6e",
         torus_ndim=2,
         tensorcores_per_chip=1,
@@ -597,6 +607,7 @@ V7X = register_generation(
         name="v7x",
         aliases=("ironwood",),
         device_kind="TPU7x",
+        mxu_size=256,
         libtpu_name="tpu7x",
         torus_ndim=3,
         tensorcores_per_chip=2,
