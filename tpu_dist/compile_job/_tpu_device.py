@@ -119,17 +119,22 @@ class DeviceMemory:
     """Since the last :meth:`EmulatedTpu.reset_peak_memory_stats` (or the meter's start)."""
 
 
-class Stream:
+class Stream(torch.Stream):
     """``torch.tpu.Stream``: a stream of the emulated device. Nothing runs, so every wait is
-    already satisfied (TorchTPU's streams are placeholders for FSDP's use too)."""
+    already satisfied (TorchTPU's streams are placeholders for FSDP's use too). A
+    ``torch.Stream``, as TorchTPU's is: device-generic code takes it (``torch.accelerator``),
+    and its ``device_type`` is torch's device type number (PrivateUse1), which FSDP2 passes to
+    an operator on torch 2.15."""
+
+    def __new__(cls, device: Any = None, priority: int = 0, stream_id: int = 0,
+                **kwargs: Any) -> Stream:
+        return super().__new__(
+            cls, stream_id=stream_id, device_index=_index(device), priority=priority,
+            device_type=int(torch._C._autograd.DeviceType.PrivateUse1))
 
     def __init__(self, device: Any = None, priority: int = 0, stream_id: int = 0,
                  **kwargs: Any) -> None:
-        self.device = torch.device(DEVICE_TYPE, _index(device))
-        self.device_index = self.device.index
-        self.device_type = DEVICE_TYPE
         self.priority = priority
-        self.stream_id = stream_id
 
     def wait_event(self, event: Event) -> None:
         event.wait(self)
