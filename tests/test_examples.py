@@ -176,11 +176,14 @@ def test_train_moe_matches_gloo_and_its_memory_stays_flat(tmp_path: Path) -> Non
         for step, (a, b) in enumerate(zip(tpu[rank]["losses"], gloo[rank]["losses"]), 1):
             assert abs(a - b) <= 1e-6 * abs(b), (rank, step, a, b)
         # Flat: what a rank holds after step 30 is what it held after step 10, give or take the
-        # allocator (a work that kept its outputs grew FSDP2's buffers every step); its peak
-        # at most a quarter above gloo's (the ratio at real shapes: docs/decisions/0033-varying-sizes-and-memory.md).
+        # allocator (a work that kept its outputs grew FSDP2's buffers every step). Its peak at
+        # most a tenth above gloo's plus JAX's runtime, a fixed ~60 MB a rank at this tiny size
+        # (0.48 against 0.43 GiB; at the issue's real shape 0.90x gloo's: decision 0033).
         rss = tpu[rank]["rss_kib"]
         assert rss[-1] - rss[9] <= 32 * 1024, (rank, rss)
-        assert tpu[rank]["peak_kib"] <= 1.25 * gloo[rank]["peak_kib"], (tpu[rank], gloo[rank])
+        allowance = 128 * 1024  # KiB: JAX's runtime in the process
+        assert tpu[rank]["peak_kib"] <= 1.1 * gloo[rank]["peak_kib"] + allowance, (
+            tpu[rank], gloo[rank])
     assert tpu[0]["losses"][-1] < tpu[0]["losses"][0]
 
 
