@@ -162,7 +162,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_plan", "test_settings", "test_dtensor_spec", "test_mesh_plan", "test_mesh_topology",
         "test_mesh_cli", "test_estimate", "test_layers", "test_launch_config",
         "test_launch_discovery", "test_compile_options", "test_jaxlib", "test_watchdog",
-        "test_work", "test_predict",
+        "test_work", "test_predict", "test_dispatch",
     ),
     # Ranks of tests/harness.py's World (spawned once per module), each test a body on them.
     "world": (

@@ -16,7 +16,7 @@ import os
 import sys
 import uuid
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from tpu_dist import _settings
 from tpu_dist.launch._chips import SliceShape, parse_slice
@@ -205,6 +205,106 @@ def _tpu_slice(discovery: Discovery, notes: list[str]) -> SliceShape | None:
     return None
 
 
+def resolve(
+    args: argparse.Namespace,
+    discovery: Discovery,
+    environ: Mapping[str, str] | None = None,
+) -> LaunchSpec:
+    """Combines flags, their environment defaults and discovery into a :class:`LaunchSpec`.
+
+    One step per part of the launch, in this order (a later step reads what the earlier ones
+    resolved; each records where its values came from in ``prov`` and its choices in
+    ``notes``): the mode and slice, the runtime, the slice count, the node count, the workers
+    per node (then checked against the mode), the node rank, the master address, the
+    rendezvous, and what every worker gets.
+
+    Args:
+        args: from :func:`tpu_dist.launch._cli.parse_args` (``None`` marks a value not given).
+        discovery: from :func:`tpu_dist.launch._discovery.discover`.
+        environ: the launcher's environment (default ``os.environ``).
+
+    Raises:
+        ValueError: inconsistent or unreadable flags; the message names the flag and the fix.
+    """
+    env = dict(os.environ if environ is None else environ)
+    read_platform(env)  # validates TPU_DIST_PLATFORM early
+    notes: list[str] = []
+    prov: dict[str, str] = {}
+
+    mode, slice_shape, topology = _mode_and_slice(args, discovery, notes, prov)
+    runtime = _runtime(args, discovery, mode, prov)
+    num_slices = _num_slices(args, discovery, prov)
+    hw = _Hardware(mode, runtime, slice_shape, topology, num_slices)
+    slice_id = discovery.slice_id or 0
+    worker_id = discovery.worker_id or 0
+    nodes = _node_count(args, discovery, hw, env, prov)
+    nproc = _nproc_per_node(args, discovery, hw, nodes.max_nodes, env, prov)
+    _check_nproc_per_node(args, discovery, hw, nodes.max_nodes, nproc)
+    if mode == "tpu" and runtime != "torchtpu":
+        hw = hw._replace(slice=_with_counted_chips(hw.slice, discovery))
+    node_rank = _node_rank(args, discovery, mode, nodes.hosts_per_slice, env, notes, prov)
+    master_addr = _master_addr(args, discovery, num_slices, nodes.max_nodes, env, prov)
+    rdzv = _rendezvous(args, master_addr, nodes.max_nodes, env, notes, prov)
+    platform = _worker_platform(mode, env, prov)
+    tee = args.tee if args.tee is not None else "3"
+    if args.tee is None:
+        prov["tee"] = "default: both streams, each line prefixed by its rank"
+
+    return LaunchSpec(
+        mode=mode,
+        slice=hw.slice,
+        runtime=runtime,
+        topology=topology,
+        num_slices=num_slices,
+        slice_id=slice_id,
+        worker_id=(
+            worker_id if discovery.worker_id is not None else node_rank % nodes.hosts_per_slice
+        ),
+        worker_hostnames=discovery.worker_hostnames,
+        expected_nodes=nodes.expected_nodes,
+        min_nodes=nodes.min_nodes,
+        max_nodes=nodes.max_nodes,
+        node_rank=node_rank,
+        nproc_per_node=nproc,
+        master_addr=master_addr,
+        master_port=rdzv.master_port,
+        rdzv_backend=rdzv.backend,
+        rdzv_endpoint=rdzv.endpoint,
+        rdzv_id=rdzv.run_id,
+        max_restarts=args.max_restarts,
+        tee=tee,
+        platform=platform,
+        tpu_base_port=args.tpu_base_port,
+        entry=_entrypoint(args, env),
+        plan_json=getattr(args, "plan_json", None),
+        default_for_cpu=getattr(args, "default_for_cpu", False),
+        dry_run=args.dry_run,
+        preflight=not args.skip_preflight,
+        provenance=prov,
+        notes=tuple(notes),
+        torchrun=args,
+    )
+
+
+def _mode_and_slice(
+    args: argparse.Namespace, discovery: Discovery, notes: list[str], prov: dict[str, str]
+) -> tuple[Mode, SliceShape | None, str | None]:
+    """The mode (``--emulate``, else a TPU attached, else plain CPU), the slice and the emulated
+    topology (``None`` unless emulating)."""
+    if args.emulate:
+        slice_shape = parse_slice(args.emulate)
+        prov["topology"] = getattr(args, "emulate_source", "--emulate")
+        if discovery.on_tpu:
+            notes.append("a TPU is attached, but --emulate runs CPU workers emulating the topology")
+        return "emulate", slice_shape, args.emulate
+    if discovery.on_tpu:
+        slice_shape = _tpu_slice(discovery, notes)
+        if slice_shape is not None:
+            prov["topology"] = discovery.provenance.get("accelerator_type", "discovery")
+        return "tpu", slice_shape, None
+    return "cpu", None, None
+
+
 def _runtime(
     args: argparse.Namespace, discovery: Discovery, mode: Mode, prov: dict[str, str]
 ) -> Runtime:
@@ -227,64 +327,50 @@ def _runtime(
     return choice  # type: ignore[return-value]
 
 
-def resolve(
+class _Hardware(NamedTuple):
+    """What the workers run on, as :func:`resolve`'s first steps found it."""
+
+    mode: Mode
+    runtime: Runtime
+    slice: SliceShape | None
+    topology: str | None
+    """The emulated topology (``--emulate``); ``None`` unless emulating."""
+    num_slices: int
+
+
+def _num_slices(args: argparse.Namespace, discovery: Discovery, prov: dict[str, str]) -> int:
+    """Slices in the job: ``--num-slices``, else discovery's, else 1."""
+    if args.num_slices is not None:
+        prov["num_slices"] = getattr(args, "num_slices_source", "--num-slices")
+        return args.num_slices
+    if discovery.num_slices is not None:
+        prov["num_slices"] = discovery.provenance["num_slices"]
+        return discovery.num_slices
+    prov["num_slices"] = "default"
+    return 1
+
+
+class _NodeCount(NamedTuple):
+    hosts_per_slice: int
+    expected_nodes: int | None
+    """Hosts the topology implies (TPU mode only)."""
+    min_nodes: int
+    max_nodes: int
+
+
+def _node_count(
     args: argparse.Namespace,
     discovery: Discovery,
-    environ: Mapping[str, str] | None = None,
-) -> LaunchSpec:
-    """Combines flags, their environment defaults and discovery into a :class:`LaunchSpec`.
-
-    Args:
-        args: from :func:`tpu_dist.launch._cli.parse_args` (``None`` marks a value not given).
-        discovery: from :func:`tpu_dist.launch._discovery.discover`.
-        environ: the launcher's environment (default ``os.environ``).
-
-    Raises:
-        ValueError: inconsistent or unreadable flags; the message names the flag and the fix.
-    """
-    env = dict(os.environ if environ is None else environ)
-    read_platform(env)  # validates TPU_DIST_PLATFORM early
-    notes: list[str] = []
-    prov: dict[str, str] = {}
-
-    # --- mode and slice -------------------------------------------------------------------
-    slice_shape: SliceShape | None
-    topology: str | None = None
-    if args.emulate:
-        mode: Mode = "emulate"
-        topology = args.emulate
-        slice_shape = parse_slice(args.emulate)
-        prov["topology"] = getattr(args, "emulate_source", "--emulate")
-        if discovery.on_tpu:
-            notes.append("a TPU is attached, but --emulate runs CPU workers emulating the topology")
-    elif discovery.on_tpu:
-        mode = "tpu"
-        slice_shape = _tpu_slice(discovery, notes)
-        if slice_shape is not None:
-            prov["topology"] = discovery.provenance.get("accelerator_type", "discovery")
-    else:
-        mode = "cpu"
-        slice_shape = None
-
-    runtime = _runtime(args, discovery, mode, prov)
-
-    if args.num_slices is not None:
-        num_slices = args.num_slices
-        prov["num_slices"] = getattr(args, "num_slices_source", "--num-slices")
-    elif discovery.num_slices is not None:
-        num_slices = discovery.num_slices
-        prov["num_slices"] = discovery.provenance["num_slices"]
-    else:
-        num_slices = 1
-        prov["num_slices"] = "default"
-    slice_id = discovery.slice_id or 0
-    worker_id = discovery.worker_id or 0
-
-    # --- node count -----------------------------------------------------------------------
+    hw: _Hardware,
+    env: Mapping[str, str],
+    prov: dict[str, str],
+) -> _NodeCount:
+    """Hosts per slice, the hosts the topology implies, and ``--nnodes`` (else hosts per slice
+    x slices on a TPU host or where the slice's hostnames are known, else 1)."""
     hostnames = discovery.worker_hostnames
-    if mode == "tpu":
-        hosts_per_slice = len(hostnames) or (slice_shape.num_hosts if slice_shape else 1)
-        expected_nodes: int | None = hosts_per_slice * num_slices
+    if hw.mode == "tpu":
+        hosts_per_slice = len(hostnames) or (hw.slice.num_hosts if hw.slice else 1)
+        expected_nodes: int | None = hosts_per_slice * hw.num_slices
     else:
         hosts_per_slice = len(hostnames) or 1
         expected_nodes = None
@@ -292,17 +378,32 @@ def resolve(
         min_nodes, max_nodes = _parse_nnodes(args.nnodes)
         prov["nnodes"] = _flag_label("--nnodes", "nnodes", env)
     else:
-        min_nodes = max_nodes = hosts_per_slice * num_slices if (mode == "tpu" or hostnames) else 1
-        if mode == "tpu":
+        min_nodes = max_nodes = (
+            hosts_per_slice * hw.num_slices if (hw.mode == "tpu" or hostnames) else 1
+        )
+        if hw.mode == "tpu":
             where = discovery.provenance.get("worker_hostnames", "topology")
             prov["nnodes"] = f"hosts per slice ({where}) x slices"
         elif hostnames:
             prov["nnodes"] = discovery.provenance["worker_hostnames"]
         else:
             prov["nnodes"] = "default"
+    return _NodeCount(hosts_per_slice, expected_nodes, min_nodes, max_nodes)
 
-    # --- workers per node -----------------------------------------------------------------
+
+def _nproc_per_node(
+    args: argparse.Namespace,
+    discovery: Discovery,
+    hw: _Hardware,
+    max_nodes: int,
+    env: Mapping[str, str],
+    prov: dict[str, str],
+) -> int:
+    """``--nproc-per-node`` (a number, or torchrun's ``cpu``/``gpu``/...), else one worker per
+    TPU device (TorchTPU), per local chip (tpu_dist on a TPU host) or per emulated device,
+    else 1."""
     nproc_text = args.nproc_per_node
+    slice_shape = hw.slice
     if nproc_text is not None and str(nproc_text).strip().lower() not in ("auto", ""):
         try:
             nproc = int(nproc_text)
@@ -311,13 +412,13 @@ def resolve(
 
             nproc = determine_local_world_size(str(nproc_text))
         prov["nproc_per_node"] = _flag_label("--nproc-per-node", "nproc_per_node", env)
-    elif mode == "tpu" and runtime == "torchtpu" and slice_shape is not None:
+    elif hw.mode == "tpu" and hw.runtime == "torchtpu" and slice_shape is not None:
         nproc = slice_shape.chips_per_host * slice_shape.devices_per_chip
         prov["nproc_per_node"] = (
             f"one per TPU device of a {slice_shape.name} host (TorchTPU: "
             f"{slice_shape.devices_per_chip} per chip)"
         )
-    elif mode == "tpu":
+    elif hw.mode == "tpu":
         if discovery.local_chips:
             nproc = discovery.local_chips
             prov["nproc_per_node"] = "one per local chip (PCI scan)"
@@ -329,31 +430,40 @@ def resolve(
                 "cannot tell how many TPU chips this host has (no PCI chips found and no "
                 "accelerator type known): pass --nproc-per-node or set TPU_ACCELERATOR_TYPE"
             )
-    elif mode == "emulate":
+    elif hw.mode == "emulate":
         assert slice_shape is not None
-        total = slice_shape.num_devices * num_slices
+        total = slice_shape.num_devices * hw.num_slices
         if total % max_nodes:
             raise ValueError(
-                f"--emulate {topology} has {total} devices ({num_slices} slice(s)), which do not "
-                f"split evenly over {max_nodes} nodes; pick --nnodes dividing {total}"
+                f"--emulate {hw.topology} has {total} devices ({hw.num_slices} slice(s)), which "
+                f"do not split evenly over {max_nodes} nodes; pick --nnodes dividing {total}"
             )
         nproc = total // max_nodes
         prov["nproc_per_node"] = f"one per emulated device: {total} / {max_nodes} node(s)"
     else:
         nproc = 1
         prov["nproc_per_node"] = "default (no TPU and no --emulate)"
+    return nproc
 
-    if mode == "emulate":
+
+def _check_nproc_per_node(
+    args: argparse.Namespace, discovery: Discovery, hw: _Hardware, max_nodes: int, nproc: int
+) -> None:
+    """Raises ValueError unless ``nproc`` workers per node fit the mode: one per emulated device
+    in all, one per TPU device (TorchTPU), one per chip or one for all chips (tpu_dist on a TPU
+    host), and no ``--virtual-local-rank`` with several workers on a TPU host."""
+    slice_shape = hw.slice
+    if hw.mode == "emulate":
         assert slice_shape is not None
-        total = slice_shape.num_devices * num_slices
+        total = slice_shape.num_devices * hw.num_slices
         if max_nodes * nproc != total:
             raise ValueError(
-                f"--emulate {topology} x {num_slices} slice(s) has {total} devices, but "
+                f"--emulate {hw.topology} x {hw.num_slices} slice(s) has {total} devices, but "
                 f"{max_nodes} node(s) x {nproc} workers = {max_nodes * nproc} workers; emulation "
                 f"runs one worker per device: drop --nproc-per-node or make nnodes x nproc = "
                 f"{total}"
             )
-    if mode == "tpu" and runtime == "torchtpu":
+    if hw.mode == "tpu" and hw.runtime == "torchtpu":
         if slice_shape is None:
             raise ValueError(
                 "--runtime torchtpu needs the slice's topology (TORCH_TPU_TOPOLOGY), but the "
@@ -366,25 +476,44 @@ def resolve(
                 f"TorchTPU runs one worker per TPU device: a {slice_shape.name} host has "
                 f"{per_host}, so --nproc-per-node must be {per_host} (or left out), got {nproc}"
             )
-    elif mode == "tpu":
+    elif hw.mode == "tpu":
         host_chips = discovery.local_chips or (slice_shape.chips_per_host if slice_shape else None)
         if host_chips and nproc not in (1, host_chips):
             raise ValueError(
                 f"this TPU host has {host_chips} chips; --nproc-per-node must be {host_chips} (one "
                 f"worker per chip) or 1 (one worker driving all chips), got {nproc}"
             )
-        if host_chips and slice_shape is not None and host_chips != slice_shape.chips_per_host:
-            slice_shape = dataclasses.replace(slice_shape, chips_per_host=host_chips)
         if args.virtual_local_rank and nproc > 1:
             raise ValueError(
                 "--virtual-local-rank is a CUDA feature; on TPU each worker gets its chip through "
                 "TPU_VISIBLE_CHIPS instead: drop the flag"
             )
 
-    # --- node rank and master address ---------------------------------------------------------
+
+def _with_counted_chips(slice_shape: SliceShape | None, discovery: Discovery) -> SliceShape | None:
+    """The slice as this TPU host has it: its chips per host as the PCI scan counted them, where
+    that count differs from the slice name's."""
+    host_chips = discovery.local_chips
+    if host_chips and slice_shape is not None and host_chips != slice_shape.chips_per_host:
+        return dataclasses.replace(slice_shape, chips_per_host=host_chips)
+    return slice_shape
+
+
+def _node_rank(
+    args: argparse.Namespace,
+    discovery: Discovery,
+    mode: Mode,
+    hosts_per_slice: int,
+    env: Mapping[str, str],
+    notes: list[str],
+    prov: dict[str, str],
+) -> int:
+    """``--node-rank``, else the host's index in the job as discovered (slice x hosts per slice
+    + worker id), else 0."""
+    slice_id = discovery.slice_id or 0
     discovered_rank: int | None = None
     if discovery.worker_id is not None:
-        discovered_rank = slice_id * hosts_per_slice + worker_id
+        discovered_rank = slice_id * hosts_per_slice + discovery.worker_id
     if args.node_rank is not None:
         node_rank = args.node_rank
         prov["node_rank"] = _flag_label("--node-rank", "node_rank", env)
@@ -395,30 +524,60 @@ def resolve(
                 "follow "
                 "the physical host"
             )
-    elif discovered_rank is not None:
-        node_rank = discovered_rank
+        return node_rank
+    if discovered_rank is not None:
         where = discovery.provenance.get("worker_id", "discovery")
         prov["node_rank"] = where if slice_id == 0 else f"{where} and MEGASCALE_SLICE_ID"
-    else:
-        node_rank = 0
-        prov["node_rank"] = "default"
+        return discovered_rank
+    prov["node_rank"] = "default"
+    return 0
 
+
+def _master_addr(
+    args: argparse.Namespace,
+    discovery: Discovery,
+    num_slices: int,
+    max_nodes: int,
+    env: Mapping[str, str],
+    prov: dict[str, str],
+) -> str:
+    """``--master-addr``, else the multislice coordinator's host, else the slice's worker 0 (on
+    several nodes), else 127.0.0.1."""
+    hostnames = discovery.worker_hostnames
     if args.master_addr is not None:
-        master_addr = args.master_addr
         prov["master_addr"] = _flag_label("--master-addr", "master_addr", env)
-    elif num_slices > 1 and discovery.coordinator_address:
+        return args.master_addr
+    if num_slices > 1 and discovery.coordinator_address:
         master_addr = discovery.coordinator_address
         if master_addr.count(":") == 1:  # host:port (an IPv6 address has more colons)
             master_addr = master_addr.split(":")[0]
         prov["master_addr"] = discovery.provenance["coordinator_address"]
-    elif hostnames and max_nodes > 1:
-        master_addr = hostnames[0]
+        return master_addr
+    if hostnames and max_nodes > 1:
         prov["master_addr"] = f"worker 0 of {discovery.provenance['worker_hostnames']}"
-    else:
-        master_addr = "127.0.0.1"
-        prov["master_addr"] = "default"
+        return hostnames[0]
+    prov["master_addr"] = "default"
+    return "127.0.0.1"
 
-    # --- rendezvous -----------------------------------------------------------------------
+
+class _Rendezvous(NamedTuple):
+    master_port: int | None
+    backend: str
+    endpoint: str
+    run_id: str
+
+
+def _rendezvous(
+    args: argparse.Namespace,
+    master_addr: str,
+    max_nodes: int,
+    env: Mapping[str, str],
+    notes: list[str],
+    prov: dict[str, str],
+) -> _Rendezvous:
+    """The rendezvous as torchrun's flags ask, with torchrun's defaults: c10d on a free local
+    port for ``--standalone`` and for one node, else static at the master address; c10d when
+    several nodes restart (``--max-restarts``) and no backend was chosen."""
     master_port = args.master_port
     if master_port is not None:
         prov["master_port"] = _flag_label("--master-port", "master_port", env)
@@ -460,47 +619,16 @@ def resolve(
     prov["rdzv_backend"] = (
         _flag_label("--rdzv-backend", "rdzv_backend", env) if args.rdzv_backend else "default"
     )
+    return _Rendezvous(master_port, backend, endpoint, rdzv_id)
 
-    # --- what workers get -------------------------------------------------------------------
-    platform: str | None = None
+
+def _worker_platform(mode: Mode, env: Mapping[str, str], prov: dict[str, str]) -> str | None:
+    """``TPU_DIST_PLATFORM`` for the workers: the user's own passed through (None), else
+    ``cpu`` in the CPU modes, else None (TPU mode: discovered by the workers)."""
     if _settings.PLATFORM.env in env:
         prov["platform"] = "yours, passed through"
-    elif mode in ("emulate", "cpu"):
-        platform = "cpu"
+        return None
+    if mode in ("emulate", "cpu"):
         prov["platform"] = f"{mode} mode"
-    tee = args.tee if args.tee is not None else "3"
-    if args.tee is None:
-        prov["tee"] = "default: both streams, each line prefixed by its rank"
-
-    return LaunchSpec(
-        mode=mode,
-        slice=slice_shape,
-        runtime=runtime,
-        topology=topology,
-        num_slices=num_slices,
-        slice_id=slice_id,
-        worker_id=worker_id if discovery.worker_id is not None else node_rank % hosts_per_slice,
-        worker_hostnames=hostnames,
-        expected_nodes=expected_nodes,
-        min_nodes=min_nodes,
-        max_nodes=max_nodes,
-        node_rank=node_rank,
-        nproc_per_node=nproc,
-        master_addr=master_addr,
-        master_port=master_port,
-        rdzv_backend=backend,
-        rdzv_endpoint=endpoint,
-        rdzv_id=rdzv_id,
-        max_restarts=args.max_restarts,
-        tee=tee,
-        platform=platform,
-        tpu_base_port=args.tpu_base_port,
-        entry=_entrypoint(args, env),
-        plan_json=getattr(args, "plan_json", None),
-        default_for_cpu=getattr(args, "default_for_cpu", False),
-        dry_run=args.dry_run,
-        preflight=not args.skip_preflight,
-        provenance=prov,
-        notes=tuple(notes),
-        torchrun=args,
-    )
+        return "cpu"
+    return None

@@ -143,6 +143,11 @@ def compute_worker_env(
 ) -> WorkerEnv:
     """The shared and per-worker variables for the workers of one host.
 
+    The variables the launch sets (:func:`_launch_vars`), then the user's environment wins
+    where it sets one otherwise, unless a flag asked for the launch's value
+    (:func:`_yield_to_environ`); a note for each variable of the user's that is overridden or
+    replaced.
+
     Args:
         spec: the resolved launch.
         environ: the user's environment as the launcher found it (before it exported anything).
@@ -151,9 +156,19 @@ def compute_worker_env(
     """
     node_rank = spec.node_rank if node_rank is None else node_rank
     notes: list[str] = []
+    shared, per_rank = _launch_vars(spec, node_rank, environ, notes)
+    _yield_to_environ(shared, per_rank, environ, notes)
+    _note_replaced_vars(environ, notes)
+    return WorkerEnv(shared=shared, per_rank=tuple(per_rank), notes=tuple(notes))
+
+
+def _launch_vars(
+    spec: LaunchSpec, node_rank: int, environ: Mapping[str, str], notes: list[str]
+) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The variables the launch gives every worker of host ``node_rank`` and each of them
+    (``environ`` only decides whether a default such as ``OMP_NUM_THREADS`` is needed)."""
     shared: dict[str, str] = {}
     per_rank: list[dict[str, str]] = [{} for _ in range(spec.nproc_per_node)]
-
     if spec.platform is not None:
         shared[_settings.PLATFORM.env] = spec.platform
     if spec.mode == "emulate" and spec.topology is not None:
@@ -184,8 +199,18 @@ def compute_worker_env(
         # a program's own JAX call before that does not probe libtpu's TPU backend, whose
         # start-up lines read like errors where libtpu is installed (issue 35).
         shared["JAX_PLATFORMS"] = "cpu"
+    return shared, per_rank
 
-    # The user's own variables win, except where an explicit flag said otherwise.
+
+def _yield_to_environ(
+    shared: dict[str, str],
+    per_rank: list[dict[str, str]],
+    environ: Mapping[str, str],
+    notes: list[str],
+) -> None:
+    """Drop from ``shared`` and ``per_rank`` the variables the user's environment sets to other
+    values, so that the user's win, with a note each; a variable an explicit flag set
+    (:data:`_FLAG_BACKED`) stays, with a note that it overrides the user's."""
     for var, value in list(shared.items()):
         if var not in environ or environ[var] == value:
             continue
@@ -209,6 +234,11 @@ def compute_worker_env(
                 f"{', '.join(computed)}; every local worker sees the same value: unset it to let "
                 "tpu-launch give each worker its own"
             )
+
+
+def _note_replaced_vars(environ: Mapping[str, str], notes: list[str]) -> None:
+    """A note for each variable of the user's that elastic sets per worker or tpu-launch sets
+    per attempt."""
     for var in ELASTIC_VARS:
         if var in environ:
             notes.append(
@@ -222,4 +252,3 @@ def compute_worker_env(
                 "tpu-launch starts the job's JAX coordination service itself (on node 0's "
                 "launcher, a new one when the job restarts) and numbers the attempts"
             )
-    return WorkerEnv(shared=shared, per_rank=tuple(per_rank), notes=tuple(notes))

@@ -535,6 +535,8 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
 
     ``verbose`` (``--verbose``) also logs each variable set for the workers, keeps elastic's
     per-worker stop messages and gloo's connection lines, and prints torchrun's failure table.
+    How the launch ended becomes the exit code (module doc) in :func:`_workers_failed`,
+    :func:`_stopped_by_signal` or :func:`_launch_failed`.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -543,15 +545,11 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     from tpu_dist.launch import _rendezvous
 
     _export(worker_env, verbose)
-    elastic_logger = logging.getLogger(_ELASTIC_LOGGER)
-    for old in [f for f in elastic_logger.filters if isinstance(f, _ElasticStops)]:
-        elastic_logger.removeFilter(old)  # an earlier launch() of this process
-    elastic_logger.addFilter(_ElasticStops(quiet=not verbose))
+    _filter_elastic_stops(quiet=not verbose)
     config, entrypoint, args = elastic_config(spec)
     # Started now, with the environment every worker shares, so that it imports torch and JAX
     # while this launcher meets the other hosts.
     zygote = _start_zygote(spec)
-    address = _store_address(spec)
     # How long a launcher hosting the JAX coordination service waits, once its own workers are
     # gone, for the other hosts' launchers to stop theirs (SIGTERM, then SIGKILL after elastic's
     # shutdown timeout): their workers abort once the service is gone (._watch).
@@ -560,17 +558,7 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
     def stop_wait() -> float:
         return stop_timeout if _rendezvous.hosts_a_service() else 0.0
 
-    watch = (
-        JobWatch(
-            *address,
-            run_id=spec.rdzv_id,
-            node_rank=spec.node_rank,
-            nnodes=spec.max_nodes,
-            connect_timeout=float(config.rdzv_configs.get("timeout", 900)),
-        )
-        if address and spec.min_nodes == spec.max_nodes
-        else None
-    )
+    watch = _job_watch(spec, float(config.rdzv_configs.get("timeout", 900)))
     # Elastic installs its own handlers when workers start; until then, stop the same way.
     for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
         signal.signal(getattr(signal, name), _raise_signal_exception)
@@ -581,60 +569,118 @@ def launch(spec: LaunchSpec, worker_env: WorkerEnv, *, verbose: bool = False) ->
             elastic_launch(config, entrypoint)(*args)
         return 0
     except ChildFailedError as err:
-        summary = _failure_summary(spec, err)
-        if verbose:  # torchrun's table, naming the user's program rather than our worker entry
-            table = ChildFailedError(name=spec.entry.target, failures=err.failures).format_msg()
-            sys.stderr.write(table + "\n")
-        sys.stderr.write(format_failure(spec, err, verbose))
-        sys.stderr.flush()
-        if watch is not None:
-            watch.report_failure(summary, wait_for_stop=stop_wait())
-        return 1
+        return _workers_failed(spec, err, watch, stop_wait, verbose)
     except SignalException as err:
-        waited_for = _rendezvous.waiting()
-        if watch is not None and watch.remote_failure is not None:
-            what = (
-                f"node {spec.node_rank}'s workers"
-                if waited_for is None
-                else f"node {spec.node_rank} while it waited for {waited_for}"
-            )
-            sys.stderr.write(
-                f"tpu-launch: stopped {what} because another host failed: "
-                f"{watch.remote_failure}\n"
-            )
-            watch.report_stopped()
-            watch.wait_until_stopped(stop_wait())
-            return 1
-        name = signal.Signals(err.sigval).name
-        if waited_for is not None:  # no workers of this node are running
-            sys.stderr.write(
-                f"tpu-launch: got {name} while node {spec.node_rank} waited for {waited_for}; "
-                "stopped (no workers were running)\n"
-            )
-        else:
-            sys.stderr.write(f"tpu-launch: got {name}; stopped node {spec.node_rank}'s workers\n")
-        if watch is not None:
-            # In the rendezvous nobody runs workers yet: tell the nodes that joined, but do not
-            # linger for nodes that may never come.
-            watch.report_failure(
-                f"node {spec.node_rank}: its launcher got {name}",
-                wait_for_stop=stop_wait(),
-                linger=waited_for is None,
-            )
-        return 128 + int(err.sigval)
+        return _stopped_by_signal(spec, err, watch, stop_wait)
     except Exception as err:  # rendezvous errors and the like: say what, exit non-zero
-        from torch.distributed.elastic.rendezvous import RendezvousError
-
-        if not isinstance(err, RendezvousError):
-            traceback.print_exc()
-        sys.stderr.write(f"tpu-launch: {type(err).__name__}: {err}\n")
-        if watch is not None:
-            watch.report_failure(
-                f"node {spec.node_rank}: {type(err).__name__}: {err}", wait_for_stop=stop_wait()
-            )
-        return 1
+        return _launch_failed(spec, err, watch, stop_wait)
     finally:
         if watch is not None:
             watch.stop()
         _rendezvous.stop_services()
         shutil.rmtree(os.environ.pop(_worker.EXIT_TIME_DIR_VAR, ""), ignore_errors=True)
+
+
+def _filter_elastic_stops(quiet: bool) -> None:
+    """Put this launch's :class:`_ElasticStops` on elastic's logger, in place of an earlier
+    launch()'s of this process."""
+    elastic_logger = logging.getLogger(_ELASTIC_LOGGER)
+    for old in [f for f in elastic_logger.filters if isinstance(f, _ElasticStops)]:
+        elastic_logger.removeFilter(old)
+    elastic_logger.addFilter(_ElasticStops(quiet=quiet))
+
+
+def _job_watch(spec: LaunchSpec, connect_timeout: float) -> JobWatch | None:
+    """The watch that tells this job's hosts of each other's failures (:mod:`._watch`), over
+    the rendezvous store; None on one node, with an elastic node count (MIN:MAX), or where the
+    store's address is not known in advance."""
+    address = _store_address(spec)
+    if not address or spec.min_nodes != spec.max_nodes:
+        return None
+    return JobWatch(
+        *address,
+        run_id=spec.rdzv_id,
+        node_rank=spec.node_rank,
+        nnodes=spec.max_nodes,
+        connect_timeout=connect_timeout,
+    )
+
+
+def _workers_failed(
+    spec: LaunchSpec,
+    err: Any,
+    watch: JobWatch | None,
+    stop_wait: Callable[[], float],
+    verbose: bool,
+) -> int:
+    """A worker failed for good (elastic's ``ChildFailedError``): report it, tell the other
+    hosts; exit code 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    summary = _failure_summary(spec, err)
+    if verbose:  # torchrun's table, naming the user's program rather than our worker entry
+        table = ChildFailedError(name=spec.entry.target, failures=err.failures).format_msg()
+        sys.stderr.write(table + "\n")
+    sys.stderr.write(format_failure(spec, err, verbose))
+    sys.stderr.flush()
+    if watch is not None:
+        watch.report_failure(summary, wait_for_stop=stop_wait())
+    return 1
+
+
+def _stopped_by_signal(
+    spec: LaunchSpec, err: Any, watch: JobWatch | None, stop_wait: Callable[[], float]
+) -> int:
+    """The launcher got a signal (elastic's ``SignalException``): 1 when the signal was the
+    watch stopping this node for another host's failure, else 128 + the signal's number (and
+    the other hosts are told)."""
+    from tpu_dist.launch import _rendezvous
+
+    waited_for = _rendezvous.waiting()
+    if watch is not None and watch.remote_failure is not None:
+        what = (
+            f"node {spec.node_rank}'s workers"
+            if waited_for is None
+            else f"node {spec.node_rank} while it waited for {waited_for}"
+        )
+        sys.stderr.write(
+            f"tpu-launch: stopped {what} because another host failed: "
+            f"{watch.remote_failure}\n"
+        )
+        watch.report_stopped()
+        watch.wait_until_stopped(stop_wait())
+        return 1
+    name = signal.Signals(err.sigval).name
+    if waited_for is not None:  # no workers of this node are running
+        sys.stderr.write(
+            f"tpu-launch: got {name} while node {spec.node_rank} waited for {waited_for}; "
+            "stopped (no workers were running)\n"
+        )
+    else:
+        sys.stderr.write(f"tpu-launch: got {name}; stopped node {spec.node_rank}'s workers\n")
+    if watch is not None:
+        # In the rendezvous nobody runs workers yet: tell the nodes that joined, but do not
+        # linger for nodes that may never come.
+        watch.report_failure(
+            f"node {spec.node_rank}: its launcher got {name}",
+            wait_for_stop=stop_wait(),
+            linger=waited_for is None,
+        )
+    return 128 + int(err.sigval)
+
+
+def _launch_failed(
+    spec: LaunchSpec, err: Exception, watch: JobWatch | None, stop_wait: Callable[[], float]
+) -> int:
+    """The launch itself failed (a rendezvous error and the like): say what (with the traceback
+    unless it is a rendezvous error), tell the other hosts; exit code 1."""
+    from torch.distributed.elastic.rendezvous import RendezvousError
+
+    if not isinstance(err, RendezvousError):
+        traceback.print_exc()
+    sys.stderr.write(f"tpu-launch: {type(err).__name__}: {err}\n")
+    if watch is not None:
+        watch.report_failure(
+            f"node {spec.node_rank}: {type(err).__name__}: {err}", wait_for_stop=stop_wait()
+        )
+    return 1
