@@ -115,7 +115,8 @@ def test_decoder_costs_by_hand() -> None:
 def test_op_costs_count_bytes_and_matmul_shapes() -> None:
     """A (4, 8) @ (8, 16) fp32 matmul: matmul-like, ``(M, K, N) = (4, 8, 16)``, 2 x 4 x 8 x 16
     = 1,024 FLOPs, reads 128 + 512 bytes and writes 256: 896. A ReLU of the (4, 16) result:
-    memory-bound, reads 256 and writes 256: 512 bytes. A view of it moves nothing."""
+    memory-bound, reads 256 and writes 256: 512 bytes. A view of it moves nothing; a
+    ``zeros_like`` of it writes 256."""
     a, b = torch.ones(4, 8), torch.ones(8, 16)
     out = a @ b
     mm = op_cost(_aten.mm.default, (a, b), {}, out)
@@ -124,6 +125,9 @@ def test_op_costs_count_bytes_and_matmul_shapes() -> None:
     assert (relu.matmul, relu.flops, relu.bytes_moved) == (False, 0, 512)
     view = op_cost(_aten.view.default, (out, [64]), {}, out.view(64))
     assert view.bytes_moved == 0 and not view.matmul
+    # zeros_like reads only its input's shape: it writes 256 bytes and reads nothing.
+    zeros = op_cost(_aten.zeros_like.default, (out,), {}, torch.zeros_like(out))
+    assert zeros.bytes_moved == 256
 
 
 class _Fusing(TorchDispatchMode):

@@ -69,7 +69,8 @@ expect, from three terms and the bound's overlap rule, with one fitted parameter
   70B on 256 TPU7x chips, and used for every generation and model.
 * Memory-bound work (everything else) at ``bytes / HBM bandwidth`` (the generation's
   ``hbm_gbytes_per_s_per_chip``): the bytes its ops read and write. The step meter counts them
-  op by op, unfused (an upper bound: :mod:`._op_costs`); the analytic decoder
+  as the ops run, under a fusion rule (:class:`~._op_costs.FusedBytes`: the memory-bound ops
+  between two matmuls are one fusion); the analytic decoder
   (:func:`decoder_step_costs`) counts what an XLA program that fuses each elementwise chain
   moves.
 * Recomputation: the matmuls and memory-bound ops a checkpointed backward runs again are in

@@ -25,9 +25,11 @@ outputs (fake tensors in a compile-only run: shapes, no data), and says what it 
 * **Bytes** (:attr:`OpCost.bytes_moved`): what the op reads and writes in memory, its tensor
   inputs' bytes plus its outputs' (an in-place op's operand counts as read and as written), as
   the op runs alone: **no fusion**, an upper bound of the step's memory traffic. The step
-  meter counts what a fusing compiler moves with :class:`FusedBytes` (below). A view (``func.is_view``: ``view``, ``transpose``, ``t``,
-  ``expand``, ...) moves nothing, nor does an allocation (``empty``) or a collective (the
-  recorder prices those).
+  meter counts what a fusing compiler moves with :class:`FusedBytes` (below). A view
+  (``func.is_view``: ``view``, ``transpose``, ``t``, ``expand``, ...; also ``_unsafe_view``, a
+  reshape's view not marked one) moves nothing, nor does an allocation (``empty``) or a
+  collective (the recorder prices those); ``zeros_like``, ``fill_`` and their kin write their
+  output and read nothing.
 * **Kind** (:attr:`OpCost.matmul`): matmul-like ops (those with a FLOP formula: ``mm``,
   ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, ``_grouped_mm``, the attention kernels,
   convolutions) run on the MXU, at a rate that depends on their shape
@@ -112,7 +114,13 @@ _FREE = ("_c10d_functional", "c10d", "prim", "profiler")
 _COLLECTIVES = ("_c10d_functional", "c10d")
 """Namespaces of collectives: each ends a fusion group (:class:`FusedBytes`)."""
 _ALLOCATIONS = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty,
-                _aten.new_empty_strided, _aten._local_scalar_dense}
+                _aten.new_empty_strided, _aten._local_scalar_dense,
+                _aten._unsafe_view}  # a reshape's view, not marked one in its schema
+
+
+_WRITE_ONLY = {_aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.new_zeros,
+               _aten.new_ones, _aten.new_full, _aten.fill_, _aten.zero_}
+"""Ops that read only their tensor inputs' shapes (or overwrite them): they write, read nothing."""
 
 
 def _nbytes(value: Any) -> int:
@@ -128,6 +136,8 @@ def bytes_moved(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     if getattr(func, "is_view", False) or _packet(func) in _ALLOCATIONS or getattr(
             func, "namespace", None) in _FREE:
         return 0
+    if _packet(func) in _WRITE_ONLY:
+        return _nbytes(out)
     return _nbytes(args) + _nbytes(tuple(kwargs.values())) + _nbytes(out)
 
 
@@ -182,7 +192,9 @@ class FusedBytes:
         if getattr(func, "is_view", False) or _packet(func) in _ALLOCATIONS or namespace in (
                 "prim", "profiler"):
             return 0
-        if func is _aten.embedding.default:
+        if _packet(func) in _WRITE_ONLY:
+            inputs = []
+        elif func is _aten.embedding.default:
             # A lookup reads the rows it gathers (as many bytes as it writes), not the table.
             inputs = list(_tensors((args[1:], kwargs)))
             inputs += [(args[0].untyped_storage(), _nbytes(out))]
