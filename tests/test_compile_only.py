@@ -428,9 +428,10 @@ def test_dcn_column_two_slices(runs: dict) -> None:
     topo = Topology.parse("v5p:2x2x1", 2)
     for row in report["collectives"]:
         if row["mesh_dim"] == "dp" and row["op"] == "reduce_scatter_tensor":
-            # The DCN share dominates: over ICI alone the same bytes take far less.
+            # The DCN share dominates: over ICI alone the same bytes take far less. (Half the
+            # message crosses DCN: 2 ranks a slice, as libtpu splits such a group.)
             ici_only = estimate_seconds("reduce_scatter", topo, [0, 1], row["bytes_per_rank"])
-            assert row["est_seconds"] > 10 * ici_only
+            assert row["est_seconds"] > 5 * ici_only
 
 
 def test_uncompilable_program_is_named_with_its_line(runs: dict) -> None:

@@ -119,6 +119,35 @@ def test_dcn_steps_across_slices() -> None:
         collective_time("gather", topo, [0, 1], 4)
 
 
+def test_groups_across_slices_are_hierarchical() -> None:
+    """v5p 4x4x4 x 2 slices; the group: one wraparound ring of 4 chips in each slice (8 ranks,
+    ``m = 4`` a slice, ``s = 2`` slices), as libtpu compiles it (an ICI collective over each
+    slice's part, 1/m of the message over DCN). ``S = 8 MiB``; ICI: one wrapping axis, 2 x 100
+    GB/s; DCN: 50 Gb/s = 6.25 GB/s a chip.
+
+    all-gather: ``3/4 S / 200e9 + (S/4) x 1/2 / 6.25e9`` = 31.5 us + 167.8 us = 199.2 us
+    (priced flat over DCN it was ``7/8 S / 6.25e9`` = 1,174 us); reduce-scatter the same;
+    all-reduce twice both terms. Latency: ring of 4 (2 hops) + 1 DCN step (log2 2), twice for
+    the all-reduce. One chip a slice (ranks 0 and 64) stays flat: ``1/2 S / 6.25e9``."""
+    topo = Topology.parse("v5p:4x4x4", 2)
+    ring = [int(r) for r in topo.rank_grid()[0, :, 0, 0, 0]]
+    group = ring + [r + topo.devices_per_slice for r in ring]
+    size = 8 << 20
+    ici, dcn = 0.75 * size / 200e9, size / 4 * 0.5 / 6.25e9
+    for op, passes in (("all_gather_into_tensor", 1), ("reduce_scatter_tensor", 1),
+                       ("all_reduce", 2)):
+        t = collective_time(op, topo, group, size)
+        assert t.bandwidth_seconds == pytest.approx(passes * (ici + dcn)), op
+        assert (t.ici_hops, t.dcn_steps) == (2 * passes, passes)
+        assert t.basis.startswith("hierarchical: ICI")
+    assert ici + dcn == pytest.approx(199.2e-6, rel=1e-3)
+    pair = collective_time("all_gather_into_tensor", topo, [0, topo.devices_per_slice], size)
+    assert pair.bandwidth_seconds == pytest.approx(0.5 * size / 6.25e9)
+    assert pair.basis.startswith("DCN")
+    a2a = collective_time("all_to_all_single", topo, group, size)
+    assert a2a.bandwidth_seconds == pytest.approx(7 / 8 * size / 6.25e9)
+
+
 def test_flops_per_token_llama3_8b() -> None:
     """Llama 3 8B: dim 4096, 32 layers, 32 heads of 128, 8 kv heads, ffn 14336, vocab 128256.
 

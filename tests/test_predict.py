@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tpu_dist.compile_job import MATMUL_EFFICIENCY, DecoderShape, predict_step, step_estimate
 from tpu_dist.compile_job._estimate import decoder_step_costs, padded_matmul_flops
-from tpu_dist.compile_job._op_costs import op_cost
+from tpu_dist.compile_job._op_costs import FusedBytes, op_cost
 from tpu_dist.mesh import get_generation
 
 _aten = torch.ops.aten
@@ -114,7 +115,8 @@ def test_decoder_costs_by_hand() -> None:
 def test_op_costs_count_bytes_and_matmul_shapes() -> None:
     """A (4, 8) @ (8, 16) fp32 matmul: matmul-like, ``(M, K, N) = (4, 8, 16)``, 2 x 4 x 8 x 16
     = 1,024 FLOPs, reads 128 + 512 bytes and writes 256: 896. A ReLU of the (4, 16) result:
-    memory-bound, reads 256 and writes 256: 512 bytes. A view of it moves nothing."""
+    memory-bound, reads 256 and writes 256: 512 bytes. A view of it moves nothing; a
+    ``zeros_like`` of it writes 256."""
     a, b = torch.ones(4, 8), torch.ones(8, 16)
     out = a @ b
     mm = op_cost(_aten.mm.default, (a, b), {}, out)
@@ -123,3 +125,60 @@ def test_op_costs_count_bytes_and_matmul_shapes() -> None:
     assert (relu.matmul, relu.flops, relu.bytes_moved) == (False, 0, 512)
     view = op_cost(_aten.view.default, (out, [64]), {}, out.view(64))
     assert view.bytes_moved == 0 and not view.matmul
+    # zeros_like reads only its input's shape: it writes 256 bytes and reads nothing.
+    zeros = op_cost(_aten.zeros_like.default, (out,), {}, torch.zeros_like(out))
+    assert zeros.bytes_moved == 256
+
+
+class _Fusing(TorchDispatchMode):
+    """Runs each op and prices it as the step meter does: unfused (``op_cost``) and under the
+    fusion rule (``FusedBytes``), logging ``(op name, fused bytes)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fusion, self.log, self.unfused = FusedBytes(), [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        cost = op_cost(func, args, kwargs or {}, out)
+        self.log.append((func.__name__, self.fusion.op(func, args, kwargs or {}, out,
+                                                       cost.matmul)))
+        self.unfused += 0 if cost.matmul else cost.bytes_moved
+        return out
+
+
+def test_fusion_rule_worked_example() -> None:
+    """``_op_costs``'s worked example: ``(relu(x @ w) * 2 + b) @ w2``, fp32 ``(4, 16)``
+    activations of 256 bytes. The first mm ends a group; relu reads its output (256) and leaves
+    ``r`` pending; ``* 2`` reads ``r`` from VMEM (0); ``+ b`` reads ``b`` (256); the second mm
+    reads ``y``, so ``y``'s write is charged (256). Fused 768; unfused 512 + 512 + 768 =
+    1,792."""
+    x, w, b, w2 = torch.ones(4, 8), torch.ones(8, 16), torch.ones(4, 16), torch.ones(16, 2)
+    with _Fusing() as m:
+        (torch.relu(x @ w) * 2 + b) @ w2
+    assert [n for n, _ in m.log] == ["mm.default", "relu.default", "mul.Tensor",
+                                     "add.Tensor", "mm.default"]
+    assert [c for _, c in m.log] == [0, 256, 0, 256, 256]
+    assert m.unfused == 1_792
+
+
+def test_fusion_rule_later_reads_views_and_dead_writes() -> None:
+    """fp32 ``(4, 16)`` tensors (256 bytes). ``h = x + 1`` reads ``x`` (256), leaves ``h``
+    pending; ``d = h * 5`` is fused (0) and ``d`` is never read: its write costs nothing.
+    ``h.t() @ w`` reads ``h`` through a view (same storage): ``h``'s write is charged (256) and
+    the group ends. ``h * 3`` (a later group) reads ``h``, now in HBM (256) and leaves ``g``
+    pending; ``g + h`` reads ``h`` again in the same group: once only (0). A step's end
+    (``end_group``) then ``g - 1``: ``g``'s write (256) and its read (256)."""
+    x, w = torch.ones(4, 16), torch.ones(4, 8)
+    with _Fusing() as m:
+        h = x + 1
+        h * 5
+        h.t() @ w
+        g = h * 3
+        g + h
+    m.fusion.end_group()
+    with m:
+        g - 1
+    costs = [(n, c) for n, c in m.log if n != "t.default"]
+    assert costs == [("add.Tensor", 256), ("mul.Tensor", 0), ("mm.default", 256),
+                     ("mul.Tensor", 256), ("add.Tensor", 0), ("sub.Tensor", 512)]

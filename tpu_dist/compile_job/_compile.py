@@ -46,7 +46,10 @@ def estimate_seconds(
     ``busbw`` the topology model's bound for the group (:func:`tpu_dist.mesh.expected_busbw`:
     ``L = ici_gbytes_per_s / ici_ports / 2`` GB/s per link and direction, ``2 L`` per spanned
     torus axis that wraps around and ``L`` per one that does not, capped by DCN at
-    ``dcn_gbits_per_s / 8`` GB/s per chip when the group spans slices), ``factor`` the op's
+    ``dcn_gbits_per_s / 8`` GB/s per chip when the group spans slices; an all-gather,
+    reduce-scatter or all-reduce with several ranks in each slice is priced as XLA compiles it,
+    over ICI within each slice and over DCN on ``1/m`` of the message, ``m`` ranks a slice),
+    ``factor`` the op's
     (:func:`tpu_dist.mesh.bus_factor`: ``2 (n - 1) / n`` for an all-reduce, ``(n - 1) / n`` for
     an all-gather with ``S`` its output, a reduce-scatter and an all-to-all, 1 for a send) and
     ``S`` the op's message size; an all-to-all over ICI takes a quarter of that (the JAX

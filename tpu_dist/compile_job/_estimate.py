@@ -13,13 +13,23 @@ scaling book's model ("How to Scale Your Model", the sharded-matrices chapter).
   reduce-scatter over one wraparound torus axis moves ``(n-1)/n V`` through links carrying
   ``W = 2 L`` (both directions of ``L`` GB/s per link), so about ``V / W``; an all-reduce twice
   that; spreading the group over several axes adds their rings, dividing the time by their
-  number; a group across slices is capped by DCN. The bound is per chip: on TPU7x a ring over
+  number; a group across slices is priced as XLA compiles it (below). The bound is per chip: on TPU7x a ring over
   both devices of each chip passes between them over the chip's die-to-die link, so each ICI
   link still carries each byte once (die-to-die bandwidth is not published; not charged). An
   all-to-all over ICI takes a quarter of an all-gather of the same bytes (the book's
   ``V / (4 W)``: each block goes to one chip, on average ``n / 4`` links away on a
   bidirectional ring, so each link carries a quarter of what an all-gather puts on it); over
   DCN (a switched network, the NIC the bound) it does not.
+* **Across slices** (decision 0034): an all-gather, reduce-scatter or all-reduce over a group
+  with ``m > 1`` ranks in each of ``s`` slices compiles (libtpu, checked on ``v5p:4x4x4`` x 2,
+  8 ranks a slice) to an ICI collective over each slice's ``m`` ranks and a MegaScale
+  transfer across slices of only ``1/m`` of the message: an all-gather first gathers its
+  ``s`` shards over DCN (``S / m`` out), then gathers over ICI (``S`` out); a reduce-scatter
+  reduces the whole input over ICI, then reduce-scatters its ``S / m`` part over DCN; an
+  all-reduce reduces over ICI, all-reduces ``S / m`` over DCN and gathers back over ICI. So
+  ``t = S x bus_factor(op, m) / ICI busbw of one slice's part + (S / m) x bus_factor(op, s) /
+  DCN per chip``. Any other group across slices (one rank a slice, unequal parts, an
+  all-to-all, a broadcast) is priced over the whole group at the lesser of ICI and DCN.
 * Latency: ``hops x 1 us`` (the book: about 1 us per ICI hop). An all-gather on a bidirectional
   ring of ``k`` chips moves data ``k // 2`` hops in each direction; along an axis that does not
   wrap around (a line of chips) ``k - 1``. A group spanning several axes runs the axes one
@@ -69,7 +79,8 @@ expect, from three terms and the bound's overlap rule, with one fitted parameter
   70B on 256 TPU7x chips, and used for every generation and model.
 * Memory-bound work (everything else) at ``bytes / HBM bandwidth`` (the generation's
   ``hbm_gbytes_per_s_per_chip``): the bytes its ops read and write. The step meter counts them
-  op by op, unfused (an upper bound: :mod:`._op_costs`); the analytic decoder
+  as the ops run, under a fusion rule (:class:`~._op_costs.FusedBytes`: the memory-bound ops
+  between two matmuls are one fusion); the analytic decoder
   (:func:`decoder_step_costs`) counts what an XLA program that fuses each elementwise chain
   moves.
 * Recomputation: the matmuls and memory-bound ops a checkpointed backward runs again are in
@@ -191,10 +202,14 @@ def collective_time(
     if expectation is None:
         return None
     n = ranks_arr.size
-    bandwidth = size_bytes * bus_factor(op, n) / (expectation.busbw_gbytes_per_s * 1e9)
-    over_dcn = expectation.basis.startswith("DCN")
-    if op == "all_to_all_single" and not over_dcn:
-        bandwidth /= 4
+    hierarchical = _hierarchical(op, topology, ranks_arr, size_bytes)
+    if hierarchical is not None:
+        bandwidth, basis = hierarchical
+    else:
+        bandwidth = size_bytes * bus_factor(op, n) / (expectation.busbw_gbytes_per_s * 1e9)
+        basis = expectation.basis
+        if op == "all_to_all_single" and not basis.startswith("DCN"):
+            bandwidth /= 4
     ici_hops, dcn_steps = _hops(op, topology, ranks_arr)
     passes = _PASSES[op]
     ici_hops, dcn_steps = passes * ici_hops, passes * dcn_steps
@@ -203,8 +218,34 @@ def collective_time(
         latency_seconds=ici_hops * ICI_HOP_SECONDS + dcn_steps * DCN_STEP_SECONDS,
         ici_hops=ici_hops,
         dcn_steps=dcn_steps,
-        basis=expectation.basis,
+        basis=basis,
     )
+
+
+_HIERARCHICAL = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")
+"""The ops XLA splits into an ICI part within each slice and a DCN part across slices."""
+
+
+def _hierarchical(op: str, topology: Topology, ranks: np.ndarray,
+                  size_bytes: int) -> tuple[float, str] | None:
+    """The bandwidth term and basis of ``op`` over a group spanning slices with ``m > 1``
+    ranks in each, as XLA compiles it (module docstring, "Across slices"); None for any other
+    group (one slice, one rank a slice, unequal parts) or op."""
+    slices = topology.slice_of(ranks)
+    ids, counts = np.unique(slices, return_counts=True)
+    if op not in _HIERARCHICAL or ids.size < 2 or counts.min() != counts.max() or counts[0] < 2:
+        return None
+    s, m = int(ids.size), int(counts[0])
+    ici, ici_basis = 0.0, "no ICI link (one chip a slice)"
+    for slice_id in ids:
+        part = expected_busbw(topology, ranks[slices == slice_id], op)
+        if part is not None:
+            ici = max(ici, size_bytes * bus_factor(op, m) / (part.busbw_gbytes_per_s * 1e9))
+            ici_basis = part.basis
+    dcn = topology.generation.dcn_gbits_per_s / 8
+    dcn_seconds = size_bytes / m * bus_factor(op, s) / (dcn * 1e9)
+    return ici + dcn_seconds, (f"hierarchical: {ici_basis} within each slice's {m}, then DCN "
+                               f"{dcn:g} GB/s per chip over {s} slices on 1/{m} of the message")
 
 
 def _hops(op: str, topology: Topology, ranks: np.ndarray) -> tuple[int, int]:

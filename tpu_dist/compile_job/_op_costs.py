@@ -24,11 +24,12 @@ outputs (fake tensors in a compile-only run: shapes, no data), and says what it 
 * **Tokens** (:attr:`OpCost.token_ids`): the token ids an embedding lookup reads.
 * **Bytes** (:attr:`OpCost.bytes_moved`): what the op reads and writes in memory, its tensor
   inputs' bytes plus its outputs' (an in-place op's operand counts as read and as written), as
-  the op runs alone: **no fusion** (an XLA program fuses chains of elementwise ops and reads
-  their intermediates from VMEM, not HBM: this count is then an upper bound of the step's
-  memory traffic; decision 0034). A view (``func.is_view``: ``view``, ``transpose``, ``t``,
-  ``expand``, ...) moves nothing, nor does an allocation (``empty``) or a collective (the
-  recorder prices those).
+  the op runs alone: **no fusion**, an upper bound of the step's memory traffic. The step
+  meter counts what a fusing compiler moves with :class:`FusedBytes` (below). A view
+  (``func.is_view``: ``view``, ``transpose``, ``t``, ``expand``, ...; also ``_unsafe_view``, a
+  reshape's view not marked one) moves nothing, nor does an allocation (``empty``) or a
+  collective (the recorder prices those); ``zeros_like``, ``fill_`` and their kin write their
+  output and read nothing.
 * **Kind** (:attr:`OpCost.matmul`): matmul-like ops (those with a FLOP formula: ``mm``,
   ``addmm``, ``bmm``, ``baddbmm``, ``_scaled_mm``, ``_grouped_mm``, the attention kernels,
   convolutions) run on the MXU, at a rate that depends on their shape
@@ -36,6 +37,31 @@ outputs (fake tensors in a compile-only run: shapes, no data), and says what it 
   the MXU's tiles); everything else (norms, softmax, elementwise, the optimizer's update, the
   loss) is memory-bound: its time is its bytes over the HBM bandwidth
   (:func:`tpu_dist.compile_job.predict_step`).
+
+**Fusion** (:class:`FusedBytes`, decision 0034): an XLA program fuses the elementwise and
+reduction ops between two matmuls into kernels that keep their intermediates in VMEM; only
+what enters the chain from outside and what leaves it crosses HBM. The rule, per tensor
+storage (so views share their base's fate):
+
+* A **fusion group** is the run of memory-bound ops between two group boundaries: a
+  matmul-like op, a collective (``c10d``/``_c10d_functional``), the end of a step
+  (:meth:`FusedBytes.end_group`).
+* A memory-bound op **reads** each input storage at most once a group: an input written by a
+  memory-bound op of the same group costs nothing (fused, read from VMEM); any other input
+  costs its bytes the first time the group reads it.
+* A memory-bound op's **outputs** are written lazily: a write costs its bytes only when the
+  storage is read after its group ended (by a later group, a matmul, a collective: the value
+  had to be in HBM), once. A write never read again in a measured step (a dead intermediate,
+  one that autograd freed) costs nothing; one read in the next step (the optimizer's state, the
+  gradients accumulated) is charged there: in a steady state the same bytes per step.
+* Matmul-like ops' and collectives' own operands are not memory-bound bytes (their time is
+  priced apart); reading a pending write still charges that write.
+
+Worked example (``tests/test_predict.py``): ``y = relu(x @ w) * 2 + b`` then ``y @ w2``, fp32
+``(4, 16)`` activations (256 bytes) and ``b``: the matmul ends a group; ``relu`` reads the
+matmul's output (256) and writes a pending ``r``; ``* 2`` reads ``r`` in VMEM (0) and writes a
+pending ``m``; ``+ b`` reads ``m`` (0) and ``b`` (256), writes a pending ``y``; ``y @ w2``
+reads ``y``: its write is charged (256). Fused: 768 bytes; unfused: 512 + 512 + 768 = 1,792.
 
 A new per-op quantity is a field of :class:`OpCost` computed here; the meter sums every field
 over the step.
@@ -45,6 +71,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -55,8 +82,9 @@ from torch.utils.flop_counter import (
     sdpa_flop_count,
     shape_wrapper,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["OpCost", "bytes_moved", "has_formula", "op_cost"]
+__all__ = ["FusedBytes", "OpCost", "bytes_moved", "has_formula", "op_cost"]
 
 _aten = torch.ops.aten
 
@@ -83,8 +111,16 @@ class OpCost:
 _NOTHING = OpCost()
 _FREE = ("_c10d_functional", "c10d", "prim", "profiler")
 """Namespaces of ops that move no bytes of their own (collectives are priced apart)."""
+_COLLECTIVES = ("_c10d_functional", "c10d")
+"""Namespaces of collectives: each ends a fusion group (:class:`FusedBytes`)."""
 _ALLOCATIONS = {_aten.empty, _aten.empty_like, _aten.empty_strided, _aten.new_empty,
-                _aten.new_empty_strided, _aten._local_scalar_dense}
+                _aten.new_empty_strided, _aten._local_scalar_dense,
+                _aten._unsafe_view}  # a reshape's view, not marked one in its schema
+
+
+_WRITE_ONLY = {_aten.zeros_like, _aten.ones_like, _aten.full_like, _aten.new_zeros,
+               _aten.new_ones, _aten.new_full, _aten.fill_, _aten.zero_}
+"""Ops that read only their tensor inputs' shapes (or overwrite them): they write, read nothing."""
 
 
 def _nbytes(value: Any) -> int:
@@ -100,7 +136,95 @@ def bytes_moved(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     if getattr(func, "is_view", False) or _packet(func) in _ALLOCATIONS or getattr(
             func, "namespace", None) in _FREE:
         return 0
+    if _packet(func) in _WRITE_ONLY:
+        return _nbytes(out)
     return _nbytes(args) + _nbytes(tuple(kwargs.values())) + _nbytes(out)
+
+
+def _tensors(value: Any) -> Iterator[tuple[Any, int]]:
+    """``(storage, bytes)`` of each tensor in ``value`` that has a storage (not a sparse or
+    nested tensor's, which the fusion rule leaves out)."""
+    if isinstance(value, torch.Tensor):
+        try:
+            storage = value.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        yield storage, value.numel() * value.element_size()
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
+class FusedBytes:
+    """The HBM bytes of memory-bound ops as a fusing compiler moves them (module docstring,
+    "Fusion"): call :meth:`op` for every op in the order they run and :meth:`end_group` where
+    a fusion group must end (a step's end). Keeps one weak entry per live storage the group
+    touched or left pending (no tensor is kept alive): a few dictionary operations an op."""
+
+    def __init__(self) -> None:
+        self.group = 0
+        """The current fusion group's number."""
+        self._pending: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """storage -> (group that wrote it, bytes written): a write not yet charged."""
+        self._read: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """storage -> the last group that charged its read."""
+
+    def end_group(self) -> None:
+        """The next memory-bound op starts a new fusion group."""
+        self.group += 1
+
+    def _materialize(self, storage: Any, boundary: bool = False) -> int:
+        """A pending write read by a later group or (``boundary``) by a matmul or a
+        collective: it is charged (0 if none)."""
+        entry = self._pending.get(storage)
+        if entry is None or (entry[0] == self.group and not boundary):
+            return 0
+        del self._pending[storage]
+        return entry[1]
+
+    def op(self, func: Any, args: tuple, kwargs: dict, out: Any, matmul: bool) -> int:
+        """The bytes ``func`` (which gave ``out``; ``matmul``: an op with a FLOP formula)
+        moves in HBM under the fusion rule."""
+        namespace = getattr(func, "namespace", None)
+        if getattr(func, "is_view", False) or _packet(func) in _ALLOCATIONS or namespace in (
+                "prim", "profiler"):
+            return 0
+        if _packet(func) in _WRITE_ONLY:
+            inputs = []
+        elif func is _aten.embedding.default:
+            # A lookup reads the rows it gathers (as many bytes as it writes), not the table.
+            inputs = list(_tensors((args[1:], kwargs)))
+            inputs += [(args[0].untyped_storage(), _nbytes(out))]
+        else:
+            inputs = list(_tensors((args, kwargs)))
+        boundary = matmul or namespace in _COLLECTIVES
+        charged = 0
+        if boundary:
+            for storage, _ in inputs:
+                charged += self._materialize(storage, boundary=True)
+            for storage, _ in _tensors(out):
+                self._pending.pop(storage, None)
+            self.end_group()
+            return charged
+        for storage, size in inputs:
+            entry = self._pending.get(storage)
+            if entry is not None and entry[0] == self.group:
+                continue  # fused: read from VMEM
+            charged += self._materialize(storage)
+            if self._read.get(storage) != self.group:
+                self._read[storage] = self.group
+                charged += size
+        for storage, written in _tensors(out):
+            entry = self._pending.get(storage)
+            if entry is not None and entry[0] == self.group:
+                # Written again in the group (parts of one buffer, an in-place chain): what
+                # leaves the group is at most the storage.
+                written = min(entry[1] + written, storage.nbytes())
+            self._pending[storage] = (self.group, written)
+        return charged
 
 
 def _matmul_dims(func: Any, args: tuple) -> tuple[int, int, int] | None:

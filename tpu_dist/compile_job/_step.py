@@ -63,7 +63,7 @@ from torch._ops import HigherOrderOperator
 
 from tpu_dist.compile_job._compile import _human_bytes, _human_seconds
 from tpu_dist.compile_job._estimate import MATMUL_EFFICIENCY, StepEstimate, step_estimate
-from tpu_dist.compile_job._op_costs import OpCost, has_formula, op_cost
+from tpu_dist.compile_job._op_costs import FusedBytes, OpCost, has_formula, op_cost
 
 if TYPE_CHECKING:
     from tpu_dist.compile_job._compile import CompiledCall, CompileReport
@@ -152,7 +152,8 @@ class _LocalOpsMode(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        self.counter.add(op_cost(func, args, kwargs, out))
+        cost = op_cost(func, args, kwargs, out)
+        self.counter.add(cost, self.counter.fusion.op(func, args, kwargs, out, cost.matmul))
         return out
 
 
@@ -184,8 +185,11 @@ class _OpCounter:
         recomputed forward under activation checkpointing runs inside the backward and is not
         here)."""
         self.memory_bytes = 0
-        """Bytes read and written by memory-bound ops (every op but the matmul-like ones;
-        recomputation included)."""
+        """HBM bytes read and written by memory-bound ops (every op but the matmul-like ones;
+        recomputation included), fused (:class:`~._op_costs.FusedBytes`)."""
+        self.unfused_memory_bytes = 0
+        """The same ops' bytes as each runs alone (:attr:`~._op_costs.OpCost.bytes_moved`)."""
+        self.fusion = FusedBytes()
         self.matmul_flops: dict[tuple[int, int, int] | None, int] = {}
         """FLOPs of matmul-like ops by their ``(M, K, N)`` (:attr:`~._op_costs.OpCost.mxu_dims`;
         None: not padded): a few dozen shapes a step, padded to the MXU in the report."""
@@ -195,13 +199,15 @@ class _OpCounter:
         plain tensors: the ranks its table is sharded over share the lookup's ids (module doc);
         used once."""
 
-    def add(self, cost: OpCost) -> None:
+    def add(self, cost: OpCost, fused_bytes: int) -> None:
+        """Add one op's ``cost``; ``fused_bytes``: what it moves under the fusion rule."""
         self.flops += cost.flops
+        self.memory_bytes += fused_bytes
         if cost.matmul:
             dims = cost.mxu_dims
             self.matmul_flops[dims] = self.matmul_flops.get(dims, 0) + cost.flops
         else:
-            self.memory_bytes += cost.bytes_moved
+            self.unfused_memory_bytes += cost.bytes_moved
         if cost.token_ids:
             table, self.lookup_table = self.lookup_table, None
             self.token_ids += cost.token_ids / _shared_by(table)
@@ -407,8 +413,10 @@ class StepRecord:
     TorchTitan's 6N + 12 L H d_h s a token (each matmul's backward is twice its forward; no
     recomputation, no causal discount); None: take :attr:`flops`."""
     memory_bytes: int = 0
-    """Bytes read and written by the step's memory-bound ops, unfused
-    (:attr:`~._op_costs.OpCost.bytes_moved`; recomputation included)."""
+    """HBM bytes read and written by the step's memory-bound ops, fused
+    (:class:`~._op_costs.FusedBytes`; recomputation included)."""
+    unfused_memory_bytes: int = 0
+    """The same ops' bytes as each runs alone (:attr:`~._op_costs.OpCost.bytes_moved`)."""
     matmul_flops: dict[tuple[int, int, int] | None, int] = dataclasses.field(
         default_factory=dict)
     """The step's matmul FLOPs by ``(M, K, N)`` (None: a convolution, not padded)."""
@@ -528,8 +536,11 @@ class StepMeter:
             tokens=tokens - self._tokens_at_start, peak_bytes=peak, peak_breakdown=kinds,
             model_flops=3 * (forward - self._forward_flops_at_start),
             memory_bytes=self._flops.memory_bytes, matmul_flops=dict(self._flops.matmul_flops),
+            unfused_memory_bytes=self._flops.unfused_memory_bytes,
         ))
         self._flops.memory_bytes, self._flops.matmul_flops = 0, {}
+        self._flops.unfused_memory_bytes = 0
+        self._flops.fusion.end_group()  # no fusion across a step's end
         self._flops_at_start, self._tokens_at_start = flops, tokens
         self._forward_flops_at_start = forward
         self._fresh = True
@@ -603,6 +614,8 @@ class StepReport:
     """Every collective the step issued, costliest first."""
     unestimated: int
     """Collective kinds of the step with no time (did not compile is not one of them)."""
+    unfused_memory_bytes: int = 0
+    """The memory-bound ops' bytes as each runs alone (``memory_bound_bytes`` is them fused)."""
 
     @property
     def costliest(self) -> tuple[StepCost, ...]:
@@ -639,6 +652,7 @@ class StepReport:
             "program_temp_bytes": self.program_temp_bytes,
             "collectives": [c.to_json() for c in self.costs],
             "unestimated_collectives": self.unestimated,
+            "memory_bound_bytes_unfused": self.unfused_memory_bytes,
             "rules": STEP_RULES,
         }
 
@@ -657,7 +671,7 @@ class StepReport:
                 f"predicted step: {_secs(e.predicted_seconds)} (matmuls "
                 f"{_secs(e.predicted_matmul_seconds)} at {MATMUL_EFFICIENCY:.0%} of the "
                 f"MXU-padded peak, memory-bound ops {_secs(e.predicted_memory_seconds)} at HBM "
-                f"bandwidth unfused, exposed communication "
+                f"bandwidth fused, exposed communication "
                 f"{_secs(e.predicted_exposed_comm_seconds)}), MFU ~{100 * e.predicted_mfu:.1f} %,"
                 f" ~{e.predicted_tokens_per_second_per_device:,.0f} tokens/s per device")
         lines += [
@@ -695,8 +709,10 @@ STEP_RULES = (
     "(step_seconds * peak), model_flops = 3 x the forward pass's flops (TorchTitan's 6N + "
     "12 L H d_h s a token: no recomputation, no causal discount); predicted_seconds = matmul "
     "flops padded to the MXU's tiles at peak x MATMUL_EFFICIENCY (fitted once on a published "
-    "TPU7x step) + the memory-bound ops' bytes (read and written, unfused: an upper bound) "
-    "at HBM bandwidth + the critical-path collectives + the overlappable ones beyond that "
+    "TPU7x step) + the memory-bound ops' bytes at HBM bandwidth, fused (each run of them "
+    "between two matmuls or collectives one fusion: an input it wrote itself is free, other "
+    "inputs are read once, an output is written only if read after the run; "
+    "memory_bound_bytes_unfused: every op's inputs and outputs) + the critical-path collectives + the overlappable ones beyond that "
     "compute; predicted_mfu = model_flops / (predicted_seconds * peak); hbm_peak_bytes = MemTracker's peak tensor bytes in the step + the largest "
     "program scratch (temp_bytes); XLA's fusion buffers for compute are not included"
 )
@@ -783,6 +799,7 @@ def step_report(
         program_temp_bytes=temp,
         costs=tuple(sorted(costs, key=lambda c: -c.seconds)),
         unestimated=unestimated,
+        unfused_memory_bytes=record.unfused_memory_bytes,
     )
 
 
