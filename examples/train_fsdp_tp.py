@@ -136,12 +136,9 @@ def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True
         # Expert parallelism over the tp ranks: each holds n_experts / tp of the experts; the
         # router is the same everywhere. (All of a block's parameters are then DTensors on the
         # tp mesh, as FSDP2 wants them.)
-        for name in ("w1", "w2", "w3"):
-            weight = getattr(moe, name)
-            setattr(moe, name, nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)])))
+        moe.parallelize_experts(tp_mesh)
         moe.router.weight = nn.Parameter(
             distribute_tensor(moe.router.weight.detach(), tp_mesh, [Replicate()]))
-        moe.expert_group = tp_mesh.get_group()
 
 
 PRESETS: dict[str, dict] = {
