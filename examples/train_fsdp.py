@@ -293,15 +293,11 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, blocks: list[nn.Module] | None = None) -> None:
-        """``blocks``: the layers, if not ``config.n_layers`` of :class:`Block` (another
-        feed-forward: ``train_moe.py``'s experts)."""
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(
-            blocks if blocks is not None else (Block(config) for _ in range(config.n_layers))
-        )
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, p in self.named_parameters():
