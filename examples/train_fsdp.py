@@ -205,12 +205,14 @@ class MoE(nn.Module):
     def parallelize_experts(self, ep_mesh) -> None:
         """Expert parallelism over the 1-D DeviceMesh ``ep_mesh`` (in place): the experts'
         weights become DTensors sharded on the expert dimension (each rank keeps its
-        ``n_experts / ep``; a checkpoint holds them all), and the tokens travel over its group."""
+        ``n_experts / ep`` of the weights every rank built alike, from one seed: nothing is
+        sent; a checkpoint holds them all), and the tokens travel over its group."""
         from torch.distributed.tensor import Shard, distribute_tensor
 
         for name in ("w1", "w2", "w3"):
             weight = getattr(self.experts, name).detach()
-            setattr(self.experts, name, nn.Parameter(distribute_tensor(weight, ep_mesh, [Shard(0)])))
+            setattr(self.experts, name, nn.Parameter(
+                distribute_tensor(weight, ep_mesh, [Shard(0)], src_data_rank=None)))
         self.expert_group = ep_mesh.get_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -41,9 +41,10 @@ layers, 32 heads of 128 / 4 kv, 128 experts of width 768, top 8, vocabulary 1519
     tpu-launch --emulate v5p:4x4x4 --compile-only examples/train_moe.py --model qwen3-30b-a3b \\
         --ep 8 --seq-len 4096 --seqs-per-rank 1 --mixed-precision bf16 --steps 2
 
-**What the dry run assumes: balanced routing.** Under ``--compile-only`` the router's scores
-are fakes without values, so no router decides anything: ``tpu_dist.compile_job`` makes a
-top-k over unknown values pick balanced experts (token ``t``'s ``j``-th choice is expert
+**What the dry run assumes: balanced routing.** Under ``--compile-only`` the script trains on
+random tokens, a fake tensor there (``train_fsdp_tp.token_stream``), so the router's scores are
+fakes without values and no router decides anything: ``tpu_dist.compile_job`` makes a top-k
+over unknown values pick balanced experts (token ``t``'s ``j``-th choice is expert
 ``(t * k + j) mod experts``), so every expert gets ``tokens * k / experts`` of a rank's tokens
 and every rank sends and receives the same. The recorded all-to-alls have those sizes (the
 report says how many top-k calls it balanced); on the real job the sizes follow the router,
