@@ -73,7 +73,7 @@ def _spread(times: list[float]) -> float:
 
 def _moe_model(moe, args, group: dist.ProcessGroup, backend: str, policy):
     """train_moe.py's model over a (dp, ep) mesh of ``backend`` groups (ranks row-major)."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     ep = args.ep
     dp = world // ep
     layout = torch.arange(world).view(dp, ep)
@@ -83,8 +83,8 @@ def _moe_model(moe, args, group: dist.ProcessGroup, backend: str, policy):
                                  mesh_dim_names=("dp", "ep"))
     everyone = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("dp_ep",))
     torch.manual_seed(args.seed)
-    model = moe.moe_decoder(moe.build_config(args), ep_group, rank % ep, ep, args.seed)
-    moe.apply_fsdp(model, mesh["dp"], everyone, policy)
+    model = moe.Decoder(moe.build_config(args))
+    moe.parallelize(model, mesh, everyone, policy)
     return model
 
 
@@ -151,8 +151,7 @@ def main() -> None:
     if rank == 0:
         params = sum(p.numel() for p in models["tpu"].parameters())
         wrapper = {"ddp": "DDP", "fsdp": "FSDP2"}.get(wrap) or f"FSDP2 x EP {args.ep}"
-        print(f"# {wrapper} step of examples/{ex.__name__}.py: {world} ranks, {params} local "
-              "parameters, "
+        print(f"# {wrapper} step of examples/{ex.__name__}.py: {world} ranks, {params} parameters, "
               f"batch {args.batch_size}x{args.seq_len}, mixed precision {args.mixed_precision}; "
               f"{args.rounds} rounds x {args.steps_per_round} steps per backend, alternating; "
               f"torch {torch.__version__}", flush=True)

@@ -93,6 +93,8 @@ class ModelConfig:
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} (each key/value "
                 "head serves the same number of query heads)"
             )
+        if self.n_experts and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be between 1 and n_experts={self.n_experts}")
 
     @property
     def kv_heads(self) -> int:
@@ -178,26 +180,40 @@ class FeedForward(nn.Module):
 class MoE(nn.Module):
     """Token-choice top-k mixture of experts (Qwen3-MoE's): a router scores every expert for each
     token (softmax), the token goes to its ``top_k`` best, their outputs weighted by the scores
-    renormalised over the ``top_k``. Each expert is a SwiGLU; their weights are stacked
-    ``(n_experts, ...)`` and run as one grouped matmul (``torch._grouped_mm``) over the tokens
-    sorted by expert.
+    renormalised over the ``top_k``. The experts are :class:`Experts`, run over the tokens sorted
+    by expert.
 
-    Expert parallelism: with ``expert_group`` set, each of its ranks holds ``n_experts / ep`` of
-    the experts (its weights are that rank's slice: ``train_fsdp_tp.py`` makes them a DTensor
-    sharded over the group) and the tokens travel: an all-to-all of token counts, then of the
-    routed tokens (split by the counts: they depend on the routing), the experts, and an
-    all-to-all back.
+    Expert parallelism (:meth:`parallelize_experts`): each rank of an ep group holds
+    ``n_experts / ep`` of the experts and the tokens travel: an all-to-all of token counts, then
+    of the routed tokens (split by the counts: they depend on the routing), the experts, and an
+    all-to-all back. Every rank routes its own tokens; the all-to-alls' backward sends the
+    gradients back the way the tokens came, so an expert's gradient sums over the tokens of the
+    whole ep group (``train_moe.py`` divides it by the group's size).
+
+    Under ``tpu-launch --compile-only`` the router's scores are fakes without values, and the
+    top-k picks balanced experts (``tpu_dist.compile_job``): the recorded all-to-alls are those
+    of balanced routing.
     """
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        hidden = config.expert_hidden or config.ffn_hidden
         self.n_experts, self.top_k = config.n_experts, config.top_k
         self.router = nn.Linear(config.dim, config.n_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(config.n_experts, config.dim, hidden))
-        self.w3 = nn.Parameter(torch.empty(config.n_experts, config.dim, hidden))
-        self.w2 = nn.Parameter(torch.empty(config.n_experts, hidden, config.dim))
+        self.experts = Experts(config)
         self.expert_group: dist.ProcessGroup | None = None
+
+    def parallelize_experts(self, ep_mesh) -> None:
+        """Expert parallelism over the 1-D DeviceMesh ``ep_mesh`` (in place): the experts'
+        weights become DTensors sharded on the expert dimension (each rank keeps its
+        ``n_experts / ep`` of the weights every rank built alike, from one seed: nothing is
+        sent; a checkpoint holds them all), and the tokens travel over its group."""
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        for name in ("w1", "w2", "w3"):
+            weight = getattr(self.experts, name).detach()
+            setattr(self.experts, name, nn.Parameter(
+                distribute_tensor(weight, ep_mesh, [Shard(0)], src_data_rank=None)))
+        self.expert_group = ep_mesh.get_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, dim = x.shape
@@ -215,13 +231,13 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add(0, source, out).view(batch, seq, dim)
 
     def _experts(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
         if self.expert_group is None:
-            return _swiglu_experts(tokens, counts, w1, w2, w3)
+            return self.experts(tokens, counts)
         from torch.distributed._functional_collectives import all_to_all_single_autograd
 
         group = self.expert_group
-        ep, local = dist.get_world_size(group), w1.shape[0]
+        ep = dist.get_world_size(group)
+        local = self.n_experts // ep
         arriving = torch.empty_like(counts)
         dist.all_to_all_single(arriving, counts, group=group)  # [rank, my expert] counts
         arriving = arriving.view(ep, local)
@@ -232,24 +248,37 @@ class MoE(nn.Module):
         expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
             arriving.reshape(-1), output_size=sum(receive))
         to_experts = expert_of_row.argsort(stable=True)
-        done = _swiglu_experts(received[to_experts], arriving.sum(dim=0), w1, w2, w3)
+        done = self.experts(received[to_experts], arriving.sum(dim=0))
         done = done[to_experts.argsort()]
         return all_to_all_single_autograd(done, send, receive, group)
+
+
+class Experts(nn.Module):
+    """The experts of a :class:`MoE`: SwiGLUs whose weights are stacked ``(experts, ...)`` and
+    run as one grouped matmul (``torch._grouped_mm``). A module of its own, so a parallelism can
+    shard the experts apart from the router (``train_moe.py``: FSDP over fewer ranks)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hidden = config.expert_hidden or config.ffn_hidden
+        self.w1 = nn.Parameter(torch.empty(config.n_experts, config.dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(config.n_experts, config.dim, hidden))
+        self.w2 = nn.Parameter(torch.empty(config.n_experts, hidden, config.dim))
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each of this rank's experts on its rows of ``tokens`` (sorted by expert, ``counts``
+        each)."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        ends = counts.cumsum(0).to(torch.int32)
+        hidden = F.silu(torch._grouped_mm(tokens, w1, offs=ends)) * torch._grouped_mm(
+            tokens, w3, offs=ends)
+        return torch._grouped_mm(hidden, w2, offs=ends)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's part of a weight (a DTensor's local tensor; a plain tensor as it is): the
     MoE runs on this rank's tokens as plain tensors."""
     return weight.to_local() if hasattr(weight, "to_local") else weight
-
-
-def _swiglu_experts(tokens: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor,
-                    w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """Each expert's SwiGLU on its rows of ``tokens`` (sorted by expert, ``counts`` each)."""
-    ends = counts.cumsum(0).to(torch.int32)
-    hidden = F.silu(torch._grouped_mm(tokens, w1, offs=ends)) * torch._grouped_mm(
-        tokens, w3, offs=ends)
-    return torch._grouped_mm(hidden, w2, offs=ends)
 
 
 class Block(nn.Module):
@@ -266,15 +295,11 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, config: ModelConfig, blocks: list[nn.Module] | None = None) -> None:
-        """``blocks``: the layers, if not ``config.n_layers`` of :class:`Block` (another
-        feed-forward: ``train_moe.py``'s experts)."""
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(
-            blocks if blocks is not None else (Block(config) for _ in range(config.n_layers))
-        )
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         for name, p in self.named_parameters():

@@ -47,7 +47,8 @@ They are for ``--compile-only`` (fake tensors: no memory, no compute), e.g. Torc
         --mixed-precision bf16 --activation-checkpointing --steps 2
 
 Tokens: the bundled text while a sequence fits in it (byte tokens), else random tokens of the
-model's vocabulary (``--synthetic`` forces them).
+model's vocabulary (``--synthetic`` forces them, and so does ``--compile-only``, where they are
+fake: an MoE's routing is then the dry run's balanced assumption, ``token_stream``).
 """
 
 from __future__ import annotations
@@ -136,12 +137,9 @@ def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True
         # Expert parallelism over the tp ranks: each holds n_experts / tp of the experts; the
         # router is the same everywhere. (All of a block's parameters are then DTensors on the
         # tp mesh, as FSDP2 wants them.)
-        for name in ("w1", "w2", "w3"):
-            weight = getattr(moe, name)
-            setattr(moe, name, nn.Parameter(distribute_tensor(weight.detach(), tp_mesh, [Shard(0)])))
+        moe.parallelize_experts(tp_mesh)
         moe.router.weight = nn.Parameter(
             distribute_tensor(moe.router.weight.detach(), tp_mesh, [Replicate()]))
-        moe.expert_group = tp_mesh.get_group()
 
 
 PRESETS: dict[str, dict] = {
@@ -226,13 +224,29 @@ def _expert_dim(dp: int):
 
 
 def token_stream(args, config: ModelConfig) -> torch.Tensor:
-    """The bundled text when a sequence fits in it, else (or with ``--synthetic``) seeded random
-    tokens of the model's vocabulary, at least 65,536 (fake, so free, under --compile-only)."""
+    """The bundled text when a sequence fits in it, else (or with ``--synthetic``, or under
+    ``--compile-only``) seeded random tokens of the model's vocabulary, at least 65,536.
+
+    Under --compile-only those are a fake tensor (free), and so is everything computed from
+    them: the dry run then assumes what it must of values it cannot know (an MoE's routing is
+    balanced: ``tpu_dist.compile_job``), where the text, real, would be routed through weights
+    whose values the recorded collectives left meaningless (arbitrary all-to-all sizes)."""
     text = corpus()
-    if not args.synthetic and args.seq_len + 2 <= len(text) and config.vocab_size >= 256:
+    if (not args.synthetic and not _compile_only() and args.seq_len + 2 <= len(text)
+            and config.vocab_size >= 256):
         return text
     g = torch.Generator().manual_seed(args.seed)
     return torch.randint(0, config.vocab_size, (max(4 * (args.seq_len + 1), 1 << 16),), generator=g)
+
+
+def _compile_only() -> bool:
+    """Whether this runs under ``tpu-launch --compile-only`` (asked of ``tpu_dist.compile_job``,
+    which imports JAX, only when its variable is set: a gloo run does not import JAX)."""
+    if not os.environ.get("TPU_DIST_COMPILE_ONLY"):
+        return False
+    from tpu_dist import compile_job
+
+    return compile_job.enabled()
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -274,6 +274,33 @@ def test_grouped_matmuls_of_experts_are_counted() -> None:
     assert meter.steps[-1].model_flops == 3 * 65_536
 
 
+def test_grouped_matmuls_of_float32_experts_run_fake() -> None:
+    """torch 2.13's shape rule for ``torch._grouped_mm`` takes bf16 inputs only (CUDA's check),
+    while the CPU kernel takes float32: a float32 MoE large enough to be fake under
+    ``--compile-only`` (``examples/train_moe.py --model debug``) failed there. Under
+    :class:`LargeTensorsFake` the forward and the backward give what the real op gives: shapes
+    and float32."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    ends = torch.tensor([100, 300, 512], dtype=torch.int32)  # 3 experts, uneven groups
+
+    def step() -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randn(512, 256, requires_grad=True)  # 131,072 elements: fake
+        weight = nn.Parameter(torch.randn(3, 256, 128))  # 98,304: fake
+        out = torch._grouped_mm(tokens, weight, offs=ends)
+        out.backward(torch.ones_like(out))
+        return out, weight.grad
+
+    want = step()
+    with LargeTensorsFake():
+        got = step()
+    for g, w in zip(got, want):
+        assert isinstance(g, FakeTensor) and not isinstance(w, FakeTensor)
+        assert (g.shape, g.dtype) == (w.shape, w.dtype) == (g.shape, torch.float32)
+
+
 def _row(op: str, origin: str, est: float | None, temp: int) -> CompiledCall:
     return CompiledCall(
         op=op, reduce_op=None, group_size=4, mesh_dim="dp" if origin == "fsdp" else "tp",

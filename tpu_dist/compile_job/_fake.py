@@ -150,7 +150,8 @@ class LargeTensorsFake(TorchDispatchMode):
                 self.placeholders += 1
                 return _placeholder(tensors[0].dtype)
             with self.fake:
-                out = func(*args, **kwargs)
+                out = (_grouped_mm(*args, **kwargs) if func is _GROUPED_MM
+                       else func(*args, **kwargs))
             if func is _DETACH:
                 _unmemoise(self.fake, out)
             elif func.namespace == "_c10d_functional":
@@ -225,6 +226,7 @@ _MAX_VALUE_ELEMENTS = 1 << 22
 8,192 tokens over 128 experts is 1 Mi elements)."""
 _TOPK = torch.ops.aten.topk.default
 _COPY = torch.ops.aten.copy_.default
+_GROUPED_MM = torch.ops.aten._grouped_mm.default
 _SHAPE_ONLY = frozenset(
     getattr(torch.ops.aten, name).default for name in (
         "zeros_like", "ones_like", "full_like", "empty_like", "new_zeros", "new_ones",
@@ -267,6 +269,19 @@ def _value_or_self(leaf: Any) -> Any:
     if isinstance(leaf, torch.device) and leaf.type != "cpu":
         return torch.device("cpu")
     return leaf
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``torch._grouped_mm`` (an MoE's experts) on fake tensors of any floating dtype. Its
+    shape rule (torch 2.13's meta kernel) copies CUDA's check for bf16 inputs, while the CPU
+    kernel also takes float32 (so a model in float32 ran for real and failed fake): the rule
+    is asked in bf16, and the result takes the dtype the op returns (``out_dtype``, else the
+    inputs')."""
+    if a.dtype == b.dtype == torch.bfloat16:
+        return _GROUPED_MM(a, b, *args, **kwargs)
+    dtype = kwargs.get("out_dtype") or a.dtype
+    out = _GROUPED_MM(a.to(torch.bfloat16), b.to(torch.bfloat16), *args, **kwargs)
+    return out.to(dtype)
 
 
 def _balanced_indices(shape: torch.Size, source: torch.Size, k: int, dim: int = -1
