@@ -30,8 +30,9 @@ relative); the tolerance is rel 1e-4.
    collective of docs/reference/backend.md's support table, checked on every rank, no
    deprecation warning, and none of libtpu's start-up lines where libtpu is installed.
 8. ``tests/moe_job.py`` (``examples/train_moe.py`` with its losses and memory kept) on "tpu"
-   and on gloo, 4 ranks each, at once, 30 steps: every step's loss within 1e-6 of gloo's, and
-   each rank's memory flat from step 10 to 30.
+   and on gloo, 4 ranks each, at once, 30 steps: step 1's loss within 1e-6 of gloo's, every
+   step's within 1e-5, and each rank's memory flat from step 10 to 30; ``tests/moe_grad_job.py``:
+   its sharded gradients against one process.
 9. The dry-run guide's command (docs/guides/compile-only.md) with ``examples/train_fsdp_tp.py``
    on a smaller topology (32 TPU7x devices, dp 16: the old default batch of 8 did not split
    there) with the default batch, and libtpu's start-up lines absent; the default batch and the
@@ -170,11 +171,15 @@ def test_train_moe_matches_gloo_and_its_memory_stays_flat(tmp_path: Path) -> Non
         gloo_run = pool.submit(_moe_run, "gloo", tmp_path / "gloo")
         tpu, gloo = tpu_run.result(), gloo_run.result()
     for rank in range(4):
-        # Only FSDP's reductions add in another order: every step within 1e-6 of gloo's loss,
-        # relative (float32 sums in another order, through 30 Adam steps: ulps, not more).
+        # Only the reductions add in another order (XLA's sums, not gloo's): float32 rounding,
+        # which 30 Adam steps and the router's discrete choices carry on. Measured on this
+        # seed: the first 6 steps bit for bit, then at most 2.6e-6 relative by step 28 (with
+        # other seeds 4.5e-7 and 3.6e-7; the example before it shared train_fsdp's MoE: 3.6e-7,
+        # 2.1e-7, 3.4e-5). Step 1 within 1e-6, every step within 1e-5. The gradients themselves
+        # are checked against one process below.
         assert len(tpu[rank]["losses"]) == _MOE_STEPS
         for step, (a, b) in enumerate(zip(tpu[rank]["losses"], gloo[rank]["losses"]), 1):
-            assert abs(a - b) <= 1e-6 * abs(b), (rank, step, a, b)
+            assert abs(a - b) <= (1e-6 if step == 1 else 1e-5) * abs(b), (rank, step, a, b)
         # Flat: what a rank holds after step 30 is what it held after step 10, give or take the
         # allocator (a work that kept its outputs grew FSDP2's buffers every step). Its peak at
         # most a tenth above gloo's plus JAX's runtime, a fixed ~60 MB a rank at this tiny size
@@ -185,6 +190,23 @@ def test_train_moe_matches_gloo_and_its_memory_stays_flat(tmp_path: Path) -> Non
         assert tpu[rank]["peak_kib"] <= 1.1 * gloo[rank]["peak_kib"] + allowance, (
             tpu[rank], gloo[rank])
     assert tpu[0]["losses"][-1] < tpu[0]["losses"][0]
+
+
+def test_train_moe_gradients_match_one_process() -> None:
+    """train_moe.py's sharded gradients (experts over ep 2, FSDP2 over dp x ep and dp, 4 ranks)
+    against one process on the global batch: losses alone would not show a wrong scale (Adam
+    normalises it away; without the experts' divide factor the losses still matched to 2e-6).
+    Measured: 2.2e-7 on "tpu" and on gloo; a scale of 2 off would be 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "_tpu_dist_launch", "--nproc-per-node", "4",
+         str(ROOT / "tests" / "moe_grad_job.py"), "--dim", "128", "--expert-hidden", "256",
+         "--seq-len", "64"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    worst = float(proc.stdout.split("worst relative gradient error")[1].split()[0])
+    assert worst <= 1e-5, proc.stdout
 
 
 def test_train_fsdp_tp_matches_one_process() -> None:
