@@ -35,7 +35,9 @@ key/value heads; Qwen3's QK-norm is left out, its weights are 0.0004 % of the mo
     qwen3-32b    dim 5120, 64 layers, 64 heads of 128 / 8 kv, FFN 25600, vocab 151936 (its config)
     qwen3-30b-a3b  dim 2048, 48 layers, 32 heads of 128 / 4 kv, 128 experts of SwiGLU width 768,
                  8 a token, vocab 151936 (its config): a mixture of experts, the experts over
-                 the tp ranks (expert parallelism: all-to-alls of tokens), attention in TP
+                 the tp ranks (expert parallelism: all-to-alls of tokens), attention in TP;
+                 FSDP shards the experts over as many dp ranks as split them evenly and
+                 replicates them over the rest (``expert_shards``, ``--expert-shards``)
     debug-moe    debug's, with 8 experts of width 128, 2 a token
     debug        dim 256, 2 layers, 8 heads / 2 kv, FFN 512, vocab 2048 (runs on 4 CPU ranks)
 
@@ -53,6 +55,7 @@ fake: an MoE's routing is then the dry run's balanced assumption, ``token_stream
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -74,6 +77,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_fsdp import (  # noqa: E402
     Decoder,
     ModelConfig,
+    Experts,
     MoE,
     corpus,
     describe_mesh,
@@ -86,7 +90,7 @@ from train_fsdp import (  # noqa: E402
 )
 
 import tpu_dist  # noqa: E402,F401  (registers the "tpu" backend)
-from tpu_dist.mesh import init_device_mesh  # noqa: E402
+from tpu_dist.mesh import init_device_mesh, register_mesh  # noqa: E402
 
 
 def apply_tensor_parallel(model: Decoder, tp_mesh, *, parallel_loss: bool = True) -> None:
@@ -175,6 +179,10 @@ def _options(parser) -> None:
                         help="sequences per data-parallel rank per step (instead of --batch-size)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in the backward")
+    parser.add_argument("--expert-shards", type=int, default=None,
+                        help="a mixture of experts: FSDP shards each rank's experts over this "
+                             "many dp ranks and replicates them over the rest (HSDP); default: "
+                             "expert_shards()")
     parser.add_argument("--synthetic", action="store_true",
                         help="random tokens instead of the bundled text")
 
@@ -223,6 +231,21 @@ def _expert_dim(dp: int):
     return choose
 
 
+def expert_shards(config: ModelConfig, dp: int, tp: int) -> int:
+    """Over how many dp ranks FSDP shards a rank's experts by default: all ``dp`` when their
+    stacked weights split evenly over them (:func:`_expert_dim`), else the largest number that
+    divides both ``dp`` and the rank's ``n_experts / tp`` experts (one whole expert or more a
+    rank), the experts then replicated over the ``dp / shards`` groups (HSDP: a reduce-scatter
+    over the shards and an all-reduce over the replicas). Qwen3-30B-A3B with tp 4 on 16,384
+    devices: 32 experts a rank over 32 of the 4,096 dp ranks, where FSDP over all 4,096 would
+    pad each rank's share to a whole expert (a 72 GiB gradient reduce-scatter a rank)."""
+    local = config.n_experts // tp
+    hidden = config.expert_hidden or config.ffn_hidden
+    if any(size % dp == 0 for size in (local, config.dim, hidden)):
+        return dp
+    return math.gcd(local, dp)
+
+
 def token_stream(args, config: ModelConfig) -> torch.Tensor:
     """The bundled text when a sequence fits in it, else (or with ``--synthetic``, or under
     ``--compile-only``) seeded random tokens of the model's vocabulary, at least 65,536.
@@ -267,7 +290,21 @@ def main(argv: list[str] | None = None) -> str:
             raise SystemExit("pass --batch-size or --seqs-per-dp-rank, not both")
         args.batch_size = args.seqs_per_dp_rank * dp
     batch_size = global_batch_size(args.batch_size, dp)  # a bad flag fails before any work
-    mesh = init_device_mesh((dp, args.tp), mesh_dim_names=("dp", "tp"))
+    shards = dp
+    if config.n_experts:
+        shards = args.expert_shards or expert_shards(config, dp, args.tp)
+        if dp % shards or (config.n_experts // args.tp) % shards:
+            raise SystemExit(f"--expert-shards {shards} must divide the dp degree {dp} and the "
+                             f"{config.n_experts // args.tp} experts a tp rank holds")
+    if shards == dp:
+        mesh = init_device_mesh((dp, args.tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh = expert_mesh = mesh["dp"]
+    else:  # the experts' HSDP mesh, sliced from the same mesh as tp's (as FSDP2 requires)
+        mesh = init_device_mesh((dp // shards, shards, args.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        expert_mesh = mesh["dp_replicate", "dp_shard"]
+        dp_mesh = expert_mesh._flatten("dp")
+        register_mesh(mesh)
     torch.manual_seed(args.seed)
     model = Decoder(config)
     params = sum(p.numel() for p in model.parameters())
@@ -279,9 +316,13 @@ def main(argv: list[str] | None = None) -> str:
         param_dtype=torch.bfloat16 if args.mixed_precision == "bf16" else None,
         reduce_dtype=torch.float32 if args.mixed_precision == "bf16" else None,
     )
+    if expert_mesh is not dp_mesh:
+        for module in model.modules():
+            if isinstance(module, Experts):
+                fully_shard(module, mesh=expert_mesh, mp_policy=policy)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"], mp_policy=policy, shard_placement_fn=_expert_dim(dp))
-    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, shard_placement_fn=_expert_dim(dp))
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
     if rank == 0:
         print(f"FSDP2 x TP on mesh {describe_mesh(mesh)} ({dist.get_backend()}), "
               f"model {args.model or 'small'} ({params / 1e9:.3g} B parameters, "
@@ -289,8 +330,7 @@ def main(argv: list[str] | None = None) -> str:
               f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, "
               f"mixed precision {args.mixed_precision}, "
               f"global batch {batch_size}x{args.seq_len}", flush=True)
-    dp_rank = mesh.get_local_rank("dp")
-    return end(*train(args, model, dp_rank, mesh.size(0), mesh.get_group("dp"),
+    return end(*train(args, model, dp_mesh.get_local_rank(), dp, dp_mesh.get_group(),
                       loss_context=loss_parallel, data=token_stream(args, config)))
 
 

@@ -13,7 +13,8 @@ The launches (a few steps each, to keep the suite short):
    process, and saving step 2 below the earlier ``step-4`` warns; 3 (on a copy of the
    directory) and 4 start together.
 5. ``tpu-launch examples/train_fsdp_tp.py`` (4 ranks): TP inside a (2, 2) mesh, and its
-   mixture-of-experts preset ``debug-moe`` (the experts over the tp ranks); and
+   mixture-of-experts preset ``debug-moe`` (the experts over the tp ranks; and with
+   ``--expert-shards 1``, the experts on an HSDP mesh of their own); and
    ``tpu-launch examples/train_pp.py --schedule Interleaved1F1B`` (2 ranks, two stages each):
    pipeline parallelism (every schedule beside gloo: ``tests/test_pipelining.py``).
 
@@ -231,6 +232,41 @@ def test_train_fsdp_tp_moe_matches_one_process() -> None:
     for step in (2, 3):
         assert losses[step] == pytest.approx(want[step], rel=2e-3), step
     assert losses[3] < losses[1]
+
+
+def test_train_fsdp_tp_moe_experts_on_their_own_hsdp_mesh() -> None:
+    """``--expert-shards 1``: the experts FSDP-sharded over 1 dp rank and replicated over the
+    2 (HSDP on a (dp_replicate, dp_shard, tp) mesh; the rest of the model FSDP over the
+    flattened dp), the layout the MoE preset takes at pod scale (``expert_shards``), gives the
+    one-process losses as the plain layout does (the same reduction of two ranks: measured
+    equal to gloo's and to the plain layout's, digit for digit)."""
+    losses, last = _launch("tpu-launch", "train_fsdp_tp.py", "--model", "debug-moe", "--steps", "3",
+                           "--expert-shards", "1")
+    assert sorted(losses) == [1, 2, 3] and _final(last) == (losses[3], 3)
+    want = _single_process_losses(3, dp=2, preset="debug-moe")
+    assert losses[1] == pytest.approx(want[1], rel=1e-4)
+    for step in (2, 3):
+        assert losses[step] == pytest.approx(want[step], rel=2e-3), step
+
+
+def test_expert_shards_avoid_padding_at_pod_scale() -> None:
+    """The default expert sharding (``train_fsdp_tp.expert_shards``), worked by hand:
+    Qwen3-30B-A3B (128 experts, dim 2048, width 768) with tp 4 holds 32 experts a tp rank. Over
+    dp 8 they split evenly (32 % 8 == 0): all 8. Over dp 4,096 (16,384 devices) neither 32,
+    2048 nor 768 splits: gcd(32, 4096) = 32 ranks shard them, one whole expert each. dp 2,048
+    with tp 8 (16 a rank): 2048 % 2048 == 0, all 2,048 (FSDP on the dim of 2048). dp 96: 768 %
+    96 == 0, all 96 (on the width). dp 80: none splits, gcd(32, 80) = 16 ranks, two experts
+    each."""
+    sys.path.insert(0, str(EXAMPLES))
+    from train_fsdp import ModelConfig
+    from train_fsdp_tp import PRESETS, expert_shards
+
+    config = ModelConfig(**PRESETS["qwen3-30b-a3b"], max_seq_len=64)
+    assert expert_shards(config, dp=8, tp=4) == 8
+    assert expert_shards(config, dp=4096, tp=4) == 32
+    assert expert_shards(config, dp=2048, tp=8) == 2048
+    assert expert_shards(config, dp=96, tp=4) == 96
+    assert expert_shards(config, dp=80, tp=4) == 16
 
 
 def _single_process_losses(
