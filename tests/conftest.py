@@ -179,6 +179,7 @@ TIERS: dict[str, tuple[str, ...]] = {
         "test_launch_e2e", "test_launch_failures", "test_launch_faults", "test_launch_netns",
         "test_launch_restart", "test_launch_signals", "test_launch_torchtpu",
         "test_launch_tpu_backend", "test_launch_zygote", "test_bench", "test_frameworks",
+        "test_rejected_by_torch",
         "test_torch_suite",
     ),
     # libtpu's TPU compiler (compile-only devices, no TPU): programs and dry runs.

@@ -587,7 +587,10 @@ def explain_failure(
     if missing is None:
         who = "the c10d store did not answer, so the rank hosting it (rank 0) is probably gone"
     elif missing:
-        who = f"rank(s) {missing} did not report the failure and are probably gone"
+        who = (f"rank(s) {missing} did not report the failure: they are gone, or called "
+               f"another collective as #{seq} of this group (a call that torch rejected on "
+               "them only, or ranks calling different collectives: docs/guides/"
+               "troubleshooting.md)")
     else:
         who = "every rank of the group saw the failure"
     return dist.DistBackendError(f"tpu_dist: {where}: {who}. XLA said: {error}")
