@@ -291,11 +291,16 @@ def main(argv: list[str] | None = None) -> str:
         args.batch_size = args.seqs_per_dp_rank * dp
     batch_size = global_batch_size(args.batch_size, dp)  # a bad flag fails before any work
     shards = dp
+    if args.expert_shards is not None and not config.n_experts:
+        raise SystemExit("--expert-shards applies to a mixture of experts (--model "
+                         "qwen3-30b-a3b or debug-moe); this model has none")
     if config.n_experts:
-        shards = args.expert_shards or expert_shards(config, dp, args.tp)
-        if dp % shards or (config.n_experts // args.tp) % shards:
-            raise SystemExit(f"--expert-shards {shards} must divide the dp degree {dp} and the "
-                             f"{config.n_experts // args.tp} experts a tp rank holds")
+        shards = (expert_shards(config, dp, args.tp) if args.expert_shards is None
+                  else args.expert_shards)
+        local = config.n_experts // args.tp
+        if shards != dp and (shards < 1 or dp % shards or local % shards):
+            raise SystemExit(f"--expert-shards {shards} must be the dp degree {dp}, or divide "
+                             f"both it and the {local} experts a tp rank holds")
     if shards == dp:
         mesh = init_device_mesh((dp, args.tp), mesh_dim_names=("dp", "tp"))
         dp_mesh = expert_mesh = mesh["dp"]
