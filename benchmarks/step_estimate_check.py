@@ -15,7 +15,9 @@ recipe rematerialises everything.
 Then the predicted step (:func:`tpu_dist.compile_job.predict_step`, decision 0034) against
 every published MaxText result of a dense Llama-style decoder found in AI-Hypercomputer/
 tpu-recipes (training/ironwood's summary table and run_recipe.sh files, training/trillium's
-READMEs: model, chips, per-device batch, step time, remat policy). Each recipe's
+READMEs, training/v5p/Llama3.1-405B-MaxText's README and run_recipe.sh; MaxText's own
+docs/reference/models/tiering.md for v5p's Llama 2 70B: model, chips, per-device batch, step
+time, remat policy). Each recipe's
 ``remat_policy=custom`` names the tensors it keeps (``device`` or ``offload`` to host); the
 projections and the attention kernel whose outputs the backward needs and that are not kept
 are recomputed (``RECOMPUTE`` below; the MLP's output projection never is: its output only
@@ -60,6 +62,7 @@ SAVES_QKV = frozenset({"attention", "o", "mlp_in"})  # trillium 70B; qkv_proj_of
 SAVES_QKV_AND_O = frozenset({"attention", "mlp_in"})  # trillium 8B: out_proj kept too
 SAVES_KV_AND_MLPWO = frozenset({"q", "attention", "o", "mlp_in"})  # ironwood 405B
 SAVES_INPUT_ONLY = frozenset({"q", "k", "v", "attention", "o", "mlp_in"})  # trillium 405B
+SAVES_CONTEXT_AND_MLPWO = frozenset({"q", "k", "v", "o", "mlp_in"})  # v5p 405B
 
 # (shape, topology, slices, sequences per device, sequence, measured s/step, recomputed,
 #  attention blocks (q, kv), where it was published)
@@ -94,6 +97,20 @@ RECIPES = [
      "trillium/Llama3.1-405B-MaxText (2 slices)"),
     (LLAMA2_70B, "v6e:16x16", 1, 3, 4096, 9.052, SAVES_QKV, (1024, 512),
      "trillium/Llama2-70B-MaxText"),
+    # training/v5p/Llama3.1-405B-MaxText: v5p-1024 (8x8x8, 512 chips, one device a chip),
+    # MaxText's llama3_1_405b_8192_v5p_1024 at 3eb77db3 as cluster_toolkit/run_recipe.sh
+    # resolves it (per_device_batch_size=2, ici_fsdp_parallelism=-1, remat_policy=custom with
+    # context and mlpwo offloaded, every other tensor at MaxText's default, remat; sa_block_*
+    # 2048); "completed step: 10, seconds: 131.474, TFLOP/s/device: 314.530".
+    (LLAMA3_1_405B, "v5p:8x8x8", 1, 2, SEQ, 131.474, SAVES_CONTEXT_AND_MLPWO, (2048, 2048),
+     "v5p/Llama3.1-405B-MaxText/v5p-1024"),
+    # MaxText's docs/reference/models/tiering.md, v5p Gold: Llama 2 70B, "512 Chips, BF16,
+    # SL=4096", 65.4 % MFU, "Approx tokens/sec/device" 692; its recipe link is
+    # benchmarks/maxtext_v5p_model_configs.py's llama2_70b_v5p_128 (ici_fsdp_parallelism=-1,
+    # per_device_batch_size=4, remat_policy=save_dot_except_mlpwi: q, k, v, out_proj and mlpwo
+    # kept; no sa_block_* set). The table gives no step time: 4 x 4096 tokens / 692 tokens/s.
+    (LLAMA2_70B, "v5p:8x8x8", 1, 4, 4096, 4 * 4096 / 692, SAVES_QKV_AND_O, (512, 512),
+     "maxtext tiering.md, v5p Llama 2 70B (step from ~692 tokens/s/device)"),
 ]
 
 
