@@ -43,7 +43,7 @@ _REACHES = {
     # The benchmark times the bare XLA program of each op beside the backend's call; it
     # builds it from the backend's own plan and lowering so that both run the same program.
     ("tpu_dist.bench._xla", "tpu_dist.collectives._lowering"),
-    ("tpu_dist.bench._xla", "tpu_dist.collectives._plan"),
+    ("tpu_dist.bench._xla", "tpu_dist.collectives._plan_algorithms"),
 }
 """(importer, imported) pairs allowed to cross into another subpackage's private module."""
 
@@ -209,8 +209,8 @@ _OTHER_OWNERS = {
 
 _MEMOISED = {
     ("tpu_dist.mesh._plan", "_plan_slice"): "a device layout of constant shapes",
-    ("tpu_dist.collectives._plan", "_itemsize"): "a dtype's size",
-    ("tpu_dist.collectives._plan", "choose_algorithm"): "a pure function of its arguments",
+    ("tpu_dist.collectives._plan_algorithms", "_itemsize"): "a dtype's size",
+    ("tpu_dist.collectives._plan_algorithms", "choose_algorithm"): "a pure function of its arguments",
     ("tpu_dist.collectives._call_forms", "_signature"): "a function's signature",
     ("tpu_dist.collectives._compile_cache", "_code_fingerprint"): "a digest of the installed "
     "source files",
@@ -426,7 +426,7 @@ def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
     goes"); the bodies stay in ``_lowering`` (they need JAX, ``_types`` must not import it)."""
     import typing
 
-    from tpu_dist.collectives import _lowering, _plan
+    from tpu_dist.collectives import _lowering, _plan_algorithms
     from tpu_dist.collectives._types import _BENCH_OPS, Kind
 
     missing = [k.name for k in Kind if k not in _lowering._BODIES]
@@ -437,7 +437,7 @@ def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
     for algorithm, table in _lowering._ALGORITHMS.items():
         strays = [key for key in table if not isinstance(key, Kind)]
         assert not strays, f"_lowering's {algorithm!r} bodies have non-Kind keys: {strays}"
-    assert set(_lowering._ALGORITHMS) == set(typing.get_args(_plan.Algorithm)), (
-        "_lowering._ALGORITHMS and _plan.Algorithm name different algorithms"
+    assert set(_lowering._ALGORITHMS) == set(typing.get_args(_plan_algorithms.Algorithm)), (
+        "_lowering._ALGORITHMS and _plan_algorithms.Algorithm name different algorithms"
     )
     assert set(_BENCH_OPS) == set(Kind), "every Kind needs its bench op in _types._BENCH_OPS"

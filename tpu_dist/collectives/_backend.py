@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _checks, _plan
+from tpu_dist.collectives import _checks, _plan, _plan_all_to_all, _plan_collectives, _plan_p2p
 from tpu_dist.collectives._call_forms import accept_call_forms
 from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
 from tpu_dist.collectives._pipeline import GroupPipeline
@@ -210,16 +210,17 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     # handed to _run. Names and signatures are the ones torch's trampoline calls.
 
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> TPUWork:
-        return self._run(_plan.all_reduce(self._view, tensors, opts.reduceOp), opts.asyncOp)
+        plan = _plan_collectives.all_reduce(self._view, tensors, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
     ) -> TPUWork:
-        plan = _plan.all_reduce_coalesced(self._view, tensors, opts.reduceOp)
+        plan = _plan_collectives.all_reduce_coalesced(self._view, tensors, opts.reduceOp)
         return self._run(plan, opts.asyncOp)
 
     def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions) -> TPUWork:
-        plan = _plan.reduce(self._view, tensors, opts.rootRank, opts.reduceOp)
+        plan = _plan_collectives.reduce(self._view, tensors, opts.rootRank, opts.reduceOp)
         return self._run(plan, opts.asyncOp)
 
     def allgather(
@@ -228,13 +229,14 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
-        plan = _plan.all_gather(self._view, output_tensors, input_tensors)
+        plan = _plan_collectives.all_gather(self._view, output_tensors, input_tensors)
         return self._run(plan, opts.asyncOp)
 
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions
     ) -> TPUWork:
-        return self._run(_plan.all_gather_into_tensor(self._view, output, input), opts.asyncOp)
+        plan = _plan_collectives.all_gather_into_tensor(self._view, output, input)
+        return self._run(plan, opts.asyncOp)
 
     def all_gather_single_coalesced(
         self,
@@ -242,7 +244,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
-        plan = _plan.all_gather_into_tensor_coalesced(self._view, outputs, inputs)
+        plan = _plan_collectives.all_gather_into_tensor_coalesced(self._view, outputs, inputs)
         return self._run(plan, opts.asyncOp)
 
     def allgather_coalesced(
@@ -252,7 +254,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
         """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank r's ``input_tensors[i]``."""
-        plan = _plan.all_gather_coalesced(self._view, output_lists, input_tensors)
+        plan = _plan_collectives.all_gather_coalesced(self._view, output_lists, input_tensors)
         return self._run(plan, opts.asyncOp)
 
     def gather(
@@ -261,7 +263,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: dist.GatherOptions,
     ) -> TPUWork:
-        plan = _plan.gather(self._view, output_tensors, input_tensors, opts.rootRank)
+        plan = _plan_collectives.gather(self._view, output_tensors, input_tensors, opts.rootRank)
         return self._run(plan, opts.asyncOp)
 
     def reduce_scatter(
@@ -270,13 +272,15 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[list[torch.Tensor]],
         opts: dist.ReduceScatterOptions,
     ) -> TPUWork:
-        plan = _plan.reduce_scatter(self._view, output_tensors, input_tensors, opts.reduceOp)
+        plan = _plan_collectives.reduce_scatter(
+            self._view, output_tensors, input_tensors, opts.reduceOp
+        )
         return self._run(plan, opts.asyncOp)
 
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions
     ) -> TPUWork:
-        plan = _plan.reduce_scatter_tensor(self._view, output, input, opts.reduceOp)
+        plan = _plan_collectives.reduce_scatter_tensor(self._view, output, input, opts.reduceOp)
         return self._run(plan, opts.asyncOp)
 
     def reduce_scatter_single_coalesced(
@@ -285,11 +289,14 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: dist.ReduceScatterOptions,
     ) -> TPUWork:
-        plan = _plan.reduce_scatter_tensor_coalesced(self._view, outputs, inputs, opts.reduceOp)
+        plan = _plan_collectives.reduce_scatter_tensor_coalesced(
+            self._view, outputs, inputs, opts.reduceOp
+        )
         return self._run(plan, opts.asyncOp)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> TPUWork:
-        return self._run(_plan.broadcast(self._view, tensors, opts.rootRank), opts.asyncOp)
+        plan = _plan_collectives.broadcast(self._view, tensors, opts.rootRank)
+        return self._run(plan, opts.asyncOp)
 
     def scatter(
         self,
@@ -297,7 +304,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[list[torch.Tensor]],
         opts: dist.ScatterOptions,
     ) -> TPUWork:
-        plan = _plan.scatter(self._view, output_tensors, input_tensors, opts.rootRank)
+        plan = _plan_collectives.scatter(self._view, output_tensors, input_tensors, opts.rootRank)
         return self._run(plan, opts.asyncOp)
 
     def all_to_all_single(
@@ -308,7 +315,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: dist.AllToAllOptions,
     ) -> TPUWork:
-        plan = _plan.all_to_all_single(
+        plan = _plan_all_to_all.all_to_all_single(
             self._view, output, input, output_split_sizes, input_split_sizes
         )
         return self._run(plan, opts.asyncOp)
@@ -319,22 +326,23 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_tensors: list[torch.Tensor],
         opts: dist.AllToAllOptions,
     ) -> TPUWork:
-        return self._run(_plan.all_to_all(self._view, output_tensors, input_tensors), opts.asyncOp)
+        plan = _plan_all_to_all.all_to_all(self._view, output_tensors, input_tensors)
+        return self._run(plan, opts.asyncOp)
 
     def barrier(self, opts: dist.BarrierOptions) -> TPUWork:
-        return self._run(_plan.barrier(self._view), opts.asyncOp)
+        return self._run(_plan_collectives.barrier(self._view), opts.asyncOp)
 
     # -- point to point -----------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TPUWork:
-        work = self._queue_p2p(_plan.p2p(self._view, "send", tensors, dst, tag))
+        work = self._queue_p2p(_plan_p2p.p2p(self._view, "send", tensors, dst, tag))
         if self.size() > 2 and self._store is not None:
             # Count the send where a receiver from any source can see it (recv_anysource).
             self._store.add(_sent_key(self.rank(), dst, tag), 1)
         return work
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TPUWork:
-        return self._receive(_plan.p2p(self._view, "recv", tensors, src, tag))
+        return self._receive(_plan_p2p.p2p(self._view, "recv", tensors, src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TPUWork:
         """``recv`` without ``src``: receive the next send to this rank with ``tag``.
@@ -347,7 +355,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         (:meth:`_receive`). ``work._source_rank()`` (and so ``dist.recv``) gives the
         sender's group rank.
         """
-        plan = _plan.recv_any_source(self._view, tensors, tag)
+        plan = _plan_p2p.recv_any_source(self._view, tensors, tag)
         received = []
 
         def receive(block: bool) -> None:
@@ -369,7 +377,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._received[source] = self._received.get(source, 0) + 1
         return work
 
-    def _wait_for_sender(self, plan: _plan.AnySourcePlan) -> int:
+    def _wait_for_sender(self, plan: _plan_p2p.AnySourcePlan) -> int:
         """A group rank with a send to this rank (``plan.tag``) that was not received yet."""
         if len(plan.peers) == 1:
             return plan.peers[0]
