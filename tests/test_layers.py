@@ -441,3 +441,38 @@ def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
         "_lowering._ALGORITHMS and _plan_algorithms.Algorithm name different algorithms"
     )
     assert set(_BENCH_OPS) == set(Kind), "every Kind needs its bench op in _types._BENCH_OPS"
+
+
+# -- what wraps each op of the backend's group ----------------------------------------------------
+
+
+def test_each_op_method_takes_its_call_forms_and_routes_other_devices() -> None:
+    """``ProcessGroupTPU``'s op methods carry their wrappers at their definitions
+    (``@call_forms(op)``, ``@other_devices_to(name)``, ``_backend.py``): every op of
+    ``_call_forms.FORMS`` accepts its forms (c10d's aliased names bound to the trampoline's
+    methods), and exactly these methods hand other devices' tensors to the c10d ``Backend``
+    method of the same collective."""
+    from tpu_dist.collectives._backend import ProcessGroupTPU
+    from tpu_dist.collectives._call_forms import ALIASES, FORMS
+
+    routed = {
+        "allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced",
+        "reduce": "reduce", "allgather": "allgather", "all_gather_single": "_allgather_base",
+        "gather": "gather", "reduce_scatter": "reduce_scatter",
+        "reduce_scatter_single": "_reduce_scatter_base", "broadcast": "broadcast",
+        "scatter": "scatter", "all_to_all_single": "alltoall_base", "alltoall": "alltoall",
+        "send": "send", "recv": "recv",
+    }
+    for op in FORMS:
+        method = getattr(ProcessGroupTPU, op)
+        assert getattr(method, "call_forms", None) == op, f"{op} lacks @call_forms({op!r})"
+        if op in ALIASES:
+            assert method.__wrapped__ is getattr(ProcessGroupTPU, ALIASES[op]), op
+    aliased = {ALIASES.get(op, op) for op in FORMS}
+    for name, value in vars(ProcessGroupTPU).items():
+        if not callable(value) or name in ALIASES:
+            continue
+        assert getattr(value, "other_devices_to", None) == routed.get(name), name
+        if name not in FORMS and name not in aliased:
+            assert not hasattr(value, "call_forms"), name
+    assert all(callable(vars(ProcessGroupTPU).get(name)) for name in routed)
