@@ -28,7 +28,7 @@ whole slice whose permutation only moves between ranks 0 and 1; psum with
 ``axis_index_groups``).
 
 ``cpu``: XLA:CPU across 2 and 4 processes (``jax.distributed`` + gloo, one CPU device each),
-tpu_dist's own bodies with the algorithm ``_plan.choose_algorithm`` picks on CPU: subset program
+tpu_dist's own bodies with the algorithm ``_plan_algorithms.choose_algorithm`` picks on CPU: subset program
 (each group its own program, only its members call it) vs family program (one program over all
 devices, every process calls it), alternating calls, time per call at 4 KiB and 16 MiB per
 rank; results checked against numpy; gloo contexts read from the coordination service's
@@ -474,7 +474,7 @@ def _cpu_worker(rank, nprocs, port, iters, sizes, outfile, kinds):
         except Exception as err:  # noqa: BLE001
             return [f"<cannot list: {err}>"]
 
-    from tpu_dist.collectives import _lowering, _plan
+    from tpu_dist.collectives import _lowering, _plan_algorithms
     from tpu_dist.collectives._lowering import ProgramKey
 
     def make(kind, mesh_devs, names, n):
@@ -485,7 +485,7 @@ def _cpu_worker(rank, nprocs, port, iters, sizes, outfile, kinds):
         size = mesh.shape["x"]
         params = ("SUM",) if kind in ("allreduce", "reduce_scatter") else ()
         blocks = ((n, "float32"),)
-        algo = _plan.choose_algorithm(kind, blocks, params, "cpu", size)
+        algo = _plan_algorithms.choose_algorithm(kind, blocks, params, "cpu", size)
         key = ProgramKey(kind, tuple(range(size)), blocks, params, algo)
         body = _lowering.body_for(key, [None] * size)
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=(spec,),

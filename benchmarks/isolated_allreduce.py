@@ -69,7 +69,7 @@ def _minflt() -> int:
 
 def _time_c10d_stages() -> dict[str, float]:
     """Wrap the backend's internal steps with timers; returns the dict they add seconds to."""
-    from tpu_dist.collectives import _dispatch, _jaxlib, _plan, _runtime, _watchdog, _work
+    from tpu_dist.collectives import _dispatch, _jaxlib, _plan_finish, _runtime, _watchdog, _work
 
     spent: dict[str, float] = {}
 
@@ -90,7 +90,7 @@ def _time_c10d_stages() -> dict[str, float]:
     wrap(_dispatch.Dispatcher, "run_in_order", "dispatch")
     wrap(_work.TPUWork, "_await_arrays", "wait")
     wrap(_runtime.Runtime, "to_torch", "export")
-    wrap(_plan, "write", "copy")
+    wrap(_plan_finish, "write", "copy")
     wrap(_jaxlib, "collect_garbage", "release")
     return spent
 
@@ -99,7 +99,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import tpu_dist
     from tpu_dist.bench._xla import make_xla_case
-    from tpu_dist.collectives import _plan, _runtime
+    from tpu_dist.collectives import _plan_algorithms, _runtime
 
     spent = _time_c10d_stages() if args.c10d_stages else None
     dist.init_process_group("tpu", rank=rank, world_size=2)
@@ -119,7 +119,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
         expected = torch.full((count,), 3.0)  # the ranks contribute 1 and 2
 
         def program(n: int) -> Callable[[list], list]:
-            key = _plan.program_key("allreduce", device_ids, ((n, "float32"),), ("SUM",), "cpu")
+            key = _plan_algorithms.program_key("allreduce", device_ids, ((n, "float32"),), ("SUM",), "cpu")
             execute = rt.programs.program(key, devices).execute
             if execute is None:
                 raise RuntimeError("the loaded executable's execute is not usable here")

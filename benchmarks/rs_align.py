@@ -1,7 +1,7 @@
 """Does padding a TPU reduce-scatter's parts to 128 elements buy anything? (issue 31 follow-up)
 
 The "tpu" plan pads each rank's part of a TPU reduce-scatter to a multiple of
-``_plan.TPU_BLOCK_ALIGN`` (128) elements, as it pads all-gather blocks (to 1,024), where unaligned
+``_plan_algorithms.TPU_BLOCK_ALIGN`` (128) elements, as it pads all-gather blocks (to 1,024), where unaligned
 blocks made libtpu's compiler take seconds to minutes and gigabytes
 (docs/decisions/0022-tpu-block-alignment.md). For reduce-scatters no gain was measured. This
 compiles the backend's own reduce-scatter plan for parts of ``n`` elements, unaligned (the padding
@@ -49,12 +49,12 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 import numpy as np
 import torch
 import torch.distributed as dist
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _plan, _plan_algorithms, _plan_collectives
 from tpu_dist.collectives.compile_only import compile_collective, topology_devices
 from tpu_dist.mesh import Topology, plan_mesh
 
 spec, slices, mesh, axis, n, align, dtype = json.loads(sys.argv[2])
-_plan.TPU_BLOCK_ALIGN = align  # read when the plan is made
+_plan_algorithms.TPU_BLOCK_ALIGN = align  # read when the plan is made
 topo = Topology.parse(spec, slices)
 devices = topology_devices(topo)
 ranks = plan_mesh(topo, tuple(mesh), None)
@@ -66,7 +66,7 @@ group = _plan.GroupView(
     device_kind=devices[0].device_kind,
 )
 size = len(mine)
-plan = _plan.reduce_scatter_tensor(
+plan = _plan_collectives.reduce_scatter_tensor(
     group, torch.empty(n, dtype=getattr(torch, dtype)),
     torch.empty(n * size, dtype=getattr(torch, dtype)), dist.ReduceOp.SUM,
 )

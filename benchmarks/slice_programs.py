@@ -40,7 +40,7 @@ per-rank element count of the all-gather's input / the reduce-scatter's output:
 * ``ar_exchange``: tpu_dist's ``"exchange"`` all-reduce (two all-to-alls);
 * ``a2a_native``: tpu_dist's all-to-all, ``block`` elements to each rank.
 
-``plan``: tpu_dist's own plan (``_plan.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on
+``plan``: tpu_dist's own plan (``_plan_collectives.all_gather_into_tensor`` / ``reduce_scatter_tensor`` on
 a ``GroupView`` of every device, as the "tpu" backend plans a whole-slice group) compiled with
 ``compile_only.compile_collective``: what the package does today, for the same blocks.
 """
@@ -240,7 +240,7 @@ def _compile_plan_case(case: dict, cache: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from tpu_dist.collectives import _plan
+    from tpu_dist.collectives import _plan, _plan_collectives
     from tpu_dist.collectives.compile_only import compile_collective
 
     devices = _devices(case["topology"], cache)
@@ -249,10 +249,10 @@ def _compile_plan_case(case: dict, cache: dict) -> dict:
     view = _plan.GroupView(0, n, tuple(d.id for d in devices), "tpu",
                            device_kind=devices[0].device_kind)
     if case["form"] == "plan_allgather":
-        plan = _plan.all_gather_into_tensor(view, torch.empty(block * n, dtype=dtype),
+        plan = _plan_collectives.all_gather_into_tensor(view, torch.empty(block * n, dtype=dtype),
                                             torch.ones(block, dtype=dtype))
     else:
-        plan = _plan.reduce_scatter_tensor(view, torch.empty(block, dtype=dtype),
+        plan = _plan_collectives.reduce_scatter_tensor(view, torch.empty(block, dtype=dtype),
                                            torch.ones(block * n, dtype=dtype),
                                            dist.ReduceOp.SUM)
     t0 = time.perf_counter()

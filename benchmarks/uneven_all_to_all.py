@@ -16,7 +16,7 @@ prints:
 * the padding: what the padded exchange moves against the rows themselves, with the bucketed
   width and with the exact widest chunk (what the bucket adds to the padding), over every call.
 
-With ``--exact`` the width is not bucketed (the backend's ``_plan.size_bucket`` is replaced by
+With ``--exact`` the width is not bucketed (the backend's ``_plan_all_to_all.size_bucket`` is replaced by
 the identity in this process, for the comparison only): every new width is a program, and the
 time shows what the bucket's padding costs.
 
@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import tpu_dist  # noqa: F401  (registers "tpu")
-from tpu_dist.collectives import _plan, compile_count
+from tpu_dist.collectives import compile_count, _plan_all_to_all
 
 
 def _parse() -> argparse.Namespace:
@@ -65,7 +65,7 @@ def _splits(call: int, args, world: int) -> torch.Tensor:
 def main() -> None:
     args = _parse()
     if args.exact:
-        _plan.size_bucket = lambda n: n  # this process only: the comparison without buckets
+        _plan_all_to_all.size_bucket = lambda n: n  # this process only: the comparison without buckets
     dist.init_process_group("tpu")
     rank, world = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
@@ -105,7 +105,7 @@ def main() -> None:
             rows = int(splits.sum())
             widest = int(splits.max()) * args.dim  # words (float32)
             data += rows * args.dim
-            padded += world * world * _plan.size_bucket(widest)
+            padded += world * world * _plan_all_to_all.size_bucket(widest)
             exact += world * world * widest
         med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
         print(f"# {args.calls} all_to_all_singles on {world} ranks: {args.tokens} tokens x top "

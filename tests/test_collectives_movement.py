@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from tests.collective_cases import DTYPES, make_input
 from tests.harness import World
-from tpu_dist.collectives._plan import PERMUTE_MIN_BYTES
+from tpu_dist.collectives._plan_algorithms import PERMUTE_MIN_BYTES
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"world{n}")
@@ -128,7 +128,7 @@ def _all_to_all(rank: int, world_size: int) -> list[str]:
         dist.all_to_all(outs, [piece(rank, j) for j in range(world_size)])
         for r in range(world_size):
             _check(problems, f"all_to_all list {dtype} from {r}", outs[r], piece(r, rank))
-        # at least _plan.PERMUTE_MIN_BYTES a rank: one collective-permute per peer on CPU,
+        # at least _plan_algorithms.PERMUTE_MIN_BYTES a rank: one collective-permute per peer on CPU,
         # even (an odd number of rows a peer: chunks at offsets no multiple of 64 bytes) and
         # uneven (some chunks of the agreed width, passed as they are, some padded)
         big = PERMUTE_MIN_BYTES // dtype.itemsize // (3 * world_size) + 1

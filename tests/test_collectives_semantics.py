@@ -369,14 +369,14 @@ def _both_lowerings(rank: int, world_size: int) -> list[str]:
     ones as XLA's rings; both give the exact results, for lengths that do not divide evenly.
     reduce_scatter is an exchange at every size on CPU; its XLA lowering (what TPUs run) is
     checked too, with the choice forced."""
-    from tpu_dist.collectives import _plan
+    from tpu_dist.collectives import _plan_collectives
 
     pg = dist.distributed_c10d._get_default_group()
     small = 1001                                                   # padded to 1004 inside
     large = 256 * 1024 // 4 + 5                                    # float32: over the limit
     problems = []
     for numel, direct in ((small, True), (large, False)):
-        plan = _plan.all_reduce(pg._view, [torch.empty(numel)], dist.ReduceOp.SUM)
+        plan = _plan_collectives.all_reduce(pg._view, [torch.empty(numel)], dist.ReduceOp.SUM)
         if plan.key.algorithm != ("exchange" if direct else "xla"):
             problems.append(f"{numel} elements: direct exchange should be {direct}")
         for dtype in (torch.float32, torch.int32, torch.bfloat16):
@@ -405,7 +405,7 @@ def _both_lowerings(rank: int, world_size: int) -> list[str]:
             problems.append(f"reduce_scatter x{numel}")
     for op in ("SUM", "MAX"):
         chunk = torch.empty(7)            # a size no other call here compiled
-        plan = _plan.reduce_scatter_tensor(
+        plan = _plan_collectives.reduce_scatter_tensor(
             pg._view, chunk, torch.arange(world_size * 7.0) + rank, getattr(dist.ReduceOp, op)
         )
         pg._run(_with_algorithm(plan, "xla")).wait()
@@ -432,7 +432,7 @@ def _tpu_wide_lowerings(rank: int, world_size: int) -> list[str]:
     complex reduce-scatters are an all-to-all and a local reduction (XLA:TPU's collectives
     reject those types; tests/test_tpu_compile.py compiles them with libtpu). The same bodies,
     forced here on CPU, against a float64/complex128 reference."""
-    from tpu_dist.collectives import _plan
+    from tpu_dist.collectives import _plan_collectives
 
     pg = dist.distributed_c10d._get_default_group()
     problems = []
@@ -441,7 +441,7 @@ def _tpu_wide_lowerings(rank: int, world_size: int) -> list[str]:
         for op in ("MAX", "MIN"):
             rows = torch.stack([(torch.arange(n) * (r + 1)) % 7 - r for r in range(world_size)])
             t = rows[rank].to(dtype).clone()
-            plan = _plan.all_reduce(pg._view, [t], getattr(dist.ReduceOp, op))
+            plan = _plan_collectives.all_reduce(pg._view, [t], getattr(dist.ReduceOp, op))
             pg._run(_with_algorithm(plan, "gather_reduce")).wait()
             want = rows.amax(0) if op == "MAX" else rows.amin(0)
             if not torch.equal(t, want.to(dtype)):
@@ -450,7 +450,7 @@ def _tpu_wide_lowerings(rank: int, world_size: int) -> list[str]:
         full = torch.stack([torch.arange(world_size * 3) * (r + 1) for r in range(world_size)])
         full = full.to(dtype) * (1 + 1j if dtype.is_complex else 1)
         chunk = torch.empty(3, dtype=dtype)
-        plan = _plan.reduce_scatter_tensor(pg._view, chunk, full[rank].clone(), dist.ReduceOp.SUM)
+        plan = _plan_collectives.reduce_scatter_tensor(pg._view, chunk, full[rank].clone(), dist.ReduceOp.SUM)
         pg._run(_with_algorithm(plan, "exchange")).wait()
         want = full.sum(0).view(world_size, 3)[rank]
         if not torch.equal(chunk, want):

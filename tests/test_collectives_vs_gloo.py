@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.collective_cases import make_input
 from tests.harness import World
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _plan_all_to_all
 
 
 def _program(rank: int, world_size: int) -> dict[str, torch.Tensor]:
@@ -97,7 +97,7 @@ def _random_all_to_alls(rank: int, world_size: int, calls: int) -> dict:
         widest = int(torch.randint(1, _MAX_ROWS, (1,), generator=g))
         splits = torch.randint(0, widest + 1, (world_size, world_size), generator=g)
         send, recv = splits[rank].tolist(), splits[:, rank].tolist()
-        dim = _DIMS[i % 2]  # the wider rows run as collective-permutes (_plan.PERMUTE_MIN_BYTES)
+        dim = _DIMS[i % 2]  # the wider rows run as collective-permutes (_plan_algorithms.PERMUTE_MIN_BYTES)
         x = make_input(rank, torch.float32, (sum(send), dim), salt=i)
         out = torch.empty(sum(recv), dim)
         dist.all_to_all_single(out, x, recv, send)
@@ -114,7 +114,7 @@ def test_random_split_all_to_alls_build_few_programs_and_match_gloo(
     # program per width. Rows of 40 floats are mostly collective-permutes.
     want = worlds(3, backend="gloo").run(_random_all_to_alls, _CALLS)
     got = worlds(3, backend="tpu").run(_random_all_to_alls, _CALLS)
-    widths = {_plan.size_bucket(d * w) for d in _DIMS for w in range(1, _MAX_ROWS)}
+    widths = {_plan_all_to_all.size_bucket(d * w) for d in _DIMS for w in range(1, _MAX_ROWS)}
     for rank in range(3):
         assert 0 < got[rank]["programs"] <= 1 + len(widths) <= 62, got[rank]["programs"]
         for i, (a, b) in enumerate(zip(got[rank]["outs"], want[rank]["outs"])):

@@ -43,7 +43,7 @@ _REACHES = {
     # The benchmark times the bare XLA program of each op beside the backend's call; it
     # builds it from the backend's own plan and lowering so that both run the same program.
     ("tpu_dist.bench._xla", "tpu_dist.collectives._lowering"),
-    ("tpu_dist.bench._xla", "tpu_dist.collectives._plan"),
+    ("tpu_dist.bench._xla", "tpu_dist.collectives._plan_algorithms"),
 }
 """(importer, imported) pairs allowed to cross into another subpackage's private module."""
 
@@ -209,8 +209,8 @@ _OTHER_OWNERS = {
 
 _MEMOISED = {
     ("tpu_dist.mesh._plan", "_plan_slice"): "a device layout of constant shapes",
-    ("tpu_dist.collectives._plan", "_itemsize"): "a dtype's size",
-    ("tpu_dist.collectives._plan", "choose_algorithm"): "a pure function of its arguments",
+    ("tpu_dist.collectives._plan_algorithms", "_itemsize"): "a dtype's size",
+    ("tpu_dist.collectives._plan_algorithms", "choose_algorithm"): "a pure function of its arguments",
     ("tpu_dist.collectives._call_forms", "_signature"): "a function's signature",
     ("tpu_dist.collectives._compile_cache", "_code_fingerprint"): "a digest of the installed "
     "source files",
@@ -426,7 +426,7 @@ def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
     goes"); the bodies stay in ``_lowering`` (they need JAX, ``_types`` must not import it)."""
     import typing
 
-    from tpu_dist.collectives import _lowering, _plan
+    from tpu_dist.collectives import _lowering, _plan_algorithms
     from tpu_dist.collectives._types import _BENCH_OPS, Kind
 
     missing = [k.name for k in Kind if k not in _lowering._BODIES]
@@ -437,7 +437,42 @@ def test_every_kind_has_a_body_and_every_body_a_kind() -> None:
     for algorithm, table in _lowering._ALGORITHMS.items():
         strays = [key for key in table if not isinstance(key, Kind)]
         assert not strays, f"_lowering's {algorithm!r} bodies have non-Kind keys: {strays}"
-    assert set(_lowering._ALGORITHMS) == set(typing.get_args(_plan.Algorithm)), (
-        "_lowering._ALGORITHMS and _plan.Algorithm name different algorithms"
+    assert set(_lowering._ALGORITHMS) == set(typing.get_args(_plan_algorithms.Algorithm)), (
+        "_lowering._ALGORITHMS and _plan_algorithms.Algorithm name different algorithms"
     )
     assert set(_BENCH_OPS) == set(Kind), "every Kind needs its bench op in _types._BENCH_OPS"
+
+
+# -- what wraps each op of the backend's group ----------------------------------------------------
+
+
+def test_each_op_method_takes_its_call_forms_and_routes_other_devices() -> None:
+    """``ProcessGroupTPU``'s op methods carry their wrappers at their definitions
+    (``@call_forms(op)``, ``@other_devices_to(name)``, ``_backend.py``): every op of
+    ``_call_forms.FORMS`` accepts its forms (c10d's aliased names bound to the trampoline's
+    methods), and exactly these methods hand other devices' tensors to the c10d ``Backend``
+    method of the same collective."""
+    from tpu_dist.collectives._backend import ProcessGroupTPU
+    from tpu_dist.collectives._call_forms import ALIASES, FORMS
+
+    routed = {
+        "allreduce": "allreduce", "allreduce_coalesced": "allreduce_coalesced",
+        "reduce": "reduce", "allgather": "allgather", "all_gather_single": "_allgather_base",
+        "gather": "gather", "reduce_scatter": "reduce_scatter",
+        "reduce_scatter_single": "_reduce_scatter_base", "broadcast": "broadcast",
+        "scatter": "scatter", "all_to_all_single": "alltoall_base", "alltoall": "alltoall",
+        "send": "send", "recv": "recv",
+    }
+    for op in FORMS:
+        method = getattr(ProcessGroupTPU, op)
+        assert getattr(method, "call_forms", None) == op, f"{op} lacks @call_forms({op!r})"
+        if op in ALIASES:
+            assert method.__wrapped__ is getattr(ProcessGroupTPU, ALIASES[op]), op
+    aliased = {ALIASES.get(op, op) for op in FORMS}
+    for name, value in vars(ProcessGroupTPU).items():
+        if not callable(value) or name in ALIASES:
+            continue
+        assert getattr(value, "other_devices_to", None) == routed.get(name), name
+        if name not in FORMS and name not in aliased:
+            assert not hasattr(value, "call_forms"), name
+    assert all(callable(vars(ProcessGroupTPU).get(name)) for name in routed)

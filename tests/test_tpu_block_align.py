@@ -8,7 +8,7 @@ took more than
 8 GiB on that program and died (35-96 s); the same all-gather of 1,950,080 elements (a multiple
 of 128) compiles in under a second, 1,950,720 (of 1,024) in about 3 s. The "tpu" backend's
 plan now pads each rank's all-gather block to a multiple of 1,024 on v5p
-(``tpu_dist.collectives._plan.tpu_block_align``): its program must compile, in a child process
+(``tpu_dist.collectives._plan_algorithms.tpu_block_align``): its program must compile, in a child process
 that may map at most 4 GiB more than its import of torch did (a compiler that grows past it dies
 there, not here).
 """
@@ -43,7 +43,7 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 _COMPILE = _LIMIT + """
 import time
 import torch
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _plan, _plan_collectives
 from tpu_dist.collectives.compile_only import compile_collective, topology_devices
 from tpu_dist.mesh import Topology
 
@@ -51,7 +51,7 @@ devices = topology_devices(Topology.parse("v5p:8x8x8", 2))[::8]  # dp: every 8th
 group = _plan.GroupView(0, len(devices), tuple(d.id for d in devices), "tpu",
                         device_kind=devices[0].device_kind)
 n = 1_950_000
-plan = _plan.all_gather_into_tensor(group, torch.empty(n * len(devices), dtype=torch.bfloat16),
+plan = _plan_collectives.all_gather_into_tensor(group, torch.empty(n * len(devices), dtype=torch.bfloat16),
                                     torch.empty(n, dtype=torch.bfloat16))
 start = time.monotonic()
 result = compile_collective(plan.key, devices)
@@ -62,7 +62,7 @@ print(len(devices), plan.key.blocks, sorted({c.op for c in result.collectives}),
 
 _IN_SLICE = _LIMIT + """
 import torch
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _plan, _plan_collectives
 from tpu_dist.collectives.compile_only import compile_collective, topology_devices
 from tpu_dist.mesh import Topology
 
@@ -71,7 +71,7 @@ for spec in ("v4:2x2x2", "v5e:4x4", "v6e:4x4", "v5p:2x2x2"):
     group = _plan.GroupView(0, len(devices), tuple(d.id for d in devices), "tpu",
                             device_kind=devices[0].device_kind)
     n = 1_000_064  # a multiple of 128, not of 1,024
-    plan = _plan.all_gather_into_tensor(
+    plan = _plan_collectives.all_gather_into_tensor(
         group, torch.empty(n * len(devices), dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16))
     result = compile_collective(plan.key, devices)
     print(spec, plan.key.blocks[0][0], [c.op for c in result.collectives])

@@ -2,7 +2,7 @@
 
 libtpu's compile-only devices stand in for a TPU (no TPU here). Each program kind, with every
 reduce op and every dtype the backend sends (reductions on the values; data movement on
-int8/int16/int32 words, see ``_plan.words``), is compiled with the lowering TPUs run, and
+int8/int16/int32 words, see ``_plan_blocks.words``), is compiled with the lowering TPUs run, and
 the compiled TPU HLO is read back: its collective ops must be the ones expected for the kind and
 their replica groups exactly the group's devices. Groups: a whole v5p 4x4x4 slice, one ICI axis
 of a ``plan_mesh`` layout of two such slices, and a ``plan_mesh`` DCN group spanning both; and
@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 pytest.importorskip("libtpu")
 
-from tpu_dist.collectives import ProgramKey, _lowering, _plan  # noqa: E402
+from tpu_dist.collectives import (  # noqa: E402
+    ProgramKey,
+    _lowering,
+    _plan,
+    _plan_all_to_all,
+    _plan_blocks,
+    _plan_collectives,
+)
 from tpu_dist.collectives.compile_only import (  # noqa: E402
     CompiledCollective,
     compile_collective,
@@ -36,7 +43,7 @@ _WORDS = ("int8", "int16", "int32")
 
 
 # Every op on the dtypes where lowerings differ (32-bit native; 64-bit and complex emulated by
-# XLA:TPU, see _plan.choose_algorithm); a sum and a max on the other dtypes.
+# XLA:TPU, see _plan_algorithms.choose_algorithm); a sum and a max on the other dtypes.
 _ALL_OPS_DTYPES = ("float32", "int32", "float64", "int64", "complex64")
 
 
@@ -234,10 +241,10 @@ def _whole_slice_plan(devices: list, op: str, dtype: torch.dtype, block: int) ->
         device_kind=devices[0].device_kind,
     )
     if op == "all_gather":
-        return _plan.all_gather_into_tensor(
+        return _plan_collectives.all_gather_into_tensor(
             view, torch.empty(block * n, dtype=dtype), torch.ones(block, dtype=dtype)
         )
-    return _plan.reduce_scatter_tensor(
+    return _plan_collectives.reduce_scatter_tensor(
         view, torch.empty(block, dtype=dtype), torch.ones(block * n, dtype=dtype),
         dist.ReduceOp.SUM,
     )
@@ -287,13 +294,13 @@ def test_whole_512_device_tpu7x_slice_compiles(op: str) -> None:
 def test_a_large_narrow_all_to_all_compiles_on_tpu7x(dtype: torch.dtype) -> None:
     # all_to_all_single of 32 MiB a rank over 4 TPU7x devices: as 16- or 8-bit words libtpu
     # (docs/reference/libtpu.md) refused it ("async-update instruction should have 1 operands
-    # but sees 2"); the plan moves the same bytes as 32-bit words (_plan.exchange_words), which
+    # but sees 2"); the plan moves the same bytes as 32-bit words (_plan_blocks.exchange_words), which
     # compile.
     devices = _tpu7x("4x4x4")[:4]
     view = _plan.GroupView(0, 4, tuple(d.id for d in devices), "tpu", tuple(range(4)),
                            device_kind=devices[0].device_kind)
     n = (32 << 20) // dtype.itemsize
-    key = _plan.all_to_all_single(
+    key = _plan_all_to_all.all_to_all_single(
         view, torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype), [], []
     ).key
     (found,) = compile_collective(key, devices).collectives
@@ -315,7 +322,7 @@ def test_a_routed_all_to_all_compiles_once_per_width_bucket(small_slice: list) -
     keys = set()
     for widest in range(1000, 1300):
         x = torch.empty(sum(mine), dim, dtype=torch.bfloat16)
-        plan = _plan.all_to_all_single(view, torch.empty_like(x), x, mine, mine)
+        plan = _plan_all_to_all.all_to_all_single(view, torch.empty_like(x), x, mine, mine)
         agreement = plan.key
         padded = plan.then(plan.finish([torch.tensor([widest * dim, 0])]))
         keys.add(padded.key)
@@ -350,20 +357,20 @@ def test_compiler_options_come_from_the_generation() -> None:
 
 def test_tpu7x_all_gather_blocks_are_padded_to_whole_tiles_and_unpadded() -> None:
     # TPU7x: each rank's all-gather block is padded to a multiple of 1,024 words (not only of
-    # _plan.TPU_BLOCK_ALIGN, 128: 1,100 -> 2,048, not 1,152); the output is every rank's
+    # _plan_algorithms.TPU_BLOCK_ALIGN, 128: 1,100 -> 2,048, not 1,152); the output is every rank's
     # unpadded block, in rank order. CPU plans are not padded.
     n, size = 1100, 4
     inputs = [torch.arange(n, dtype=torch.bfloat16) + 1000 * r for r in range(size)]
     for platform, kind, expected in (("tpu", "TPU7x", 2048), ("cpu", "cpu", n)):
         view = _plan.GroupView(0, size, (0, 2, 4, 6), platform, device_kind=kind)
         out = torch.empty(size * n, dtype=torch.bfloat16)
-        plan = _plan.all_gather_into_tensor(view, out, inputs[0])
+        plan = _plan_collectives.all_gather_into_tensor(view, out, inputs[0])
         assert plan.key.blocks == ((expected, "int16"),)
-        assert torch.equal(plan.blocks[0][:n], _plan.words(inputs[0]))
+        assert torch.equal(plan.blocks[0][:n], _plan_blocks.words(inputs[0]))
         assert not plan.blocks[0][n:].any()
         # What the program returns: every rank's (padded) block, in rank order.
         gathered = torch.cat([
-            torch.nn.functional.pad(_plan.words(t), (0, expected - n)) for t in inputs
+            torch.nn.functional.pad(_plan_blocks.words(t), (0, expected - n)) for t in inputs
         ])
         (written,) = plan.finish([gathered])
         assert written is out and torch.equal(out, torch.cat(inputs))
@@ -380,7 +387,7 @@ def test_an_unaligned_tpu7x_all_gather_stays_a_native_all_gather() -> None:
         0, 4, tuple(d.id for d in devices), "tpu", device_kind=devices[0].device_kind
     )
     n = 4_000_000
-    plan = _plan.all_gather_into_tensor(
+    plan = _plan_collectives.all_gather_into_tensor(
         view, torch.empty(4 * n, dtype=torch.bfloat16), torch.ones(n, dtype=torch.bfloat16)
     )
     assert plan.key.blocks == ((4_000_768, "int16"),)

@@ -5,7 +5,7 @@ group's own devices (libtpu, docs/reference/libtpu.md: v5e ``device assignment s
 all slice devices``; v6e ``Unexpected device_id ... in replica group`` for many groups). A group
 registered as one of a family (the groups of a mesh dimension) runs a *family program*
 instead: one program over every device of the family, whose replica groups are the family's
-groups (``ProgramKey.groups``). Here the backend's own plans (``_plan`` functions on a
+groups (``ProgramKey.groups``). Here the backend's own plans (``_plan_*`` functions on a
 ``GroupView`` with the family, as a "tpu" group makes them) are compiled over libtpu's
 compile-only devices, for the dimensions of ``plan_mesh`` layouts, and the compiled HLO's
 replica groups, mapped back to ranks, must be exactly the family's groups (on v5p and TPU7x,
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 pytest.importorskip("libtpu")
 
-from tpu_dist.collectives import _plan  # noqa: E402
+from tpu_dist.collectives import _plan, _plan_all_to_all, _plan_collectives  # noqa: E402
 from tpu_dist.collectives._dispatch import agreement_key  # noqa: E402
 from tpu_dist.collectives.compile_only import (  # noqa: E402
     compile_collective,
@@ -70,19 +70,19 @@ def _plans(view: _plan.GroupView) -> dict[str, _plan.Plan]:
     n = view.size
     sum_, max_, product = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT
     return {
-        "all_reduce bf16 SUM": _plan.all_reduce(view, [torch.ones(8, dtype=torch.bfloat16)], sum_),
-        "all_reduce f32 PRODUCT": _plan.all_reduce(view, [torch.ones(8)], product),
-        "all_reduce f64 MAX": _plan.all_reduce(view, [torch.ones(8, dtype=torch.float64)], max_),
-        "all_gather": _plan.all_gather_into_tensor(view, torch.empty(8 * n), torch.ones(8)),
-        "reduce_scatter AVG": _plan.reduce_scatter_tensor(
+        "all_reduce bf16 SUM": _plan_collectives.all_reduce(view, [torch.ones(8, dtype=torch.bfloat16)], sum_),
+        "all_reduce f32 PRODUCT": _plan_collectives.all_reduce(view, [torch.ones(8)], product),
+        "all_reduce f64 MAX": _plan_collectives.all_reduce(view, [torch.ones(8, dtype=torch.float64)], max_),
+        "all_gather": _plan_collectives.all_gather_into_tensor(view, torch.empty(8 * n), torch.ones(8)),
+        "reduce_scatter AVG": _plan_collectives.reduce_scatter_tensor(
             view, torch.empty(8), torch.ones(8 * n), dist.ReduceOp.AVG
         ),
-        "all_to_all": _plan.all_to_all_single(view, torch.empty(8 * n), torch.ones(8 * n), [], []),
-        "broadcast": _plan.broadcast(view, [torch.ones(8)], n - 1),
-        "scatter": _plan.scatter(
+        "all_to_all": _plan_all_to_all.all_to_all_single(view, torch.empty(8 * n), torch.ones(8 * n), [], []),
+        "broadcast": _plan_collectives.broadcast(view, [torch.ones(8)], n - 1),
+        "scatter": _plan_collectives.scatter(
             view, [torch.empty(8)], [[torch.ones(8) for _ in range(n)]], 0
         ),
-        "barrier": _plan.barrier(view),
+        "barrier": _plan_collectives.barrier(view),
     }
 
 
@@ -197,7 +197,7 @@ def test_a_group_over_part_of_a_v5e_slice_says_what_to_do() -> None:
         0, 8, tuple(devices[r].id for r in group), "tpu", tuple(group),
         device_kind=devices[0].device_kind,
     )
-    key = _plan.all_reduce(view, [torch.ones(8)], dist.ReduceOp.SUM).key
+    key = _plan_collectives.all_reduce(view, [torch.ones(8)], dist.ReduceOp.SUM).key
     assert key.groups == 1
     with pytest.raises(Exception) as caught:
         compile_collective(key, [devices[r] for r in group])

@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tpu_dist.collectives._lowering import AXIS, body_for
-from tpu_dist.collectives._plan import program_key
+from tpu_dist.collectives._plan_algorithms import program_key
 
 __all__ = ["XlaCase", "make_xla_case"]
 

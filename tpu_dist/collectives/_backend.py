@@ -3,9 +3,10 @@
 A group keeps its identity (rank, size, global ranks, devices, name, timeout) and its op
 table; everything after *plan* belongs to its pipeline:
 
-* **plan** (:mod:`._plan`, pure): check the arguments (raise before anything is sent), flatten
-  the tensors into blocks, choose the program (kind and algorithm, the
-  :class:`~._types.ProgramKey`) and the finish step;
+* **plan** (:mod:`._plan`, pure; the ops' functions in :mod:`._plan_collectives`,
+  :mod:`._plan_all_to_all`, :mod:`._plan_p2p`): check the arguments (raise before anything is
+  sent), flatten the tensors into blocks, choose the program (kind and algorithm, the
+  :class:`~._types.ProgramKey`) and the finish steps;
 * then the group's **pipeline** (:class:`~._pipeline.Pipeline`, built by the runtime; in
   compile-only mode a recording one): track, dispatch, complete (its module doc).
 
@@ -13,7 +14,9 @@ So each op method is a line: its plan function, then the pipeline. Method names 
 are the ones torch 2.13's Python process-group trampoline dispatches to (``allreduce``,
 ``all_gather_single``, ...). Code that calls the group object directly (DDP's ``join()``, comm
 hooks) may use the shorter forms of c10d's ``ProcessGroup`` (``pg.allreduce(t)``,
-``pg.broadcast(t, 0)``): :mod:`._call_forms` turns them into these.
+``pg.broadcast(t, 0)``): each such op is defined with ``@call_forms(op)``
+(:mod:`._call_forms`), which turns them into these; ``@other_devices_to(name)``
+(:mod:`._delegate`) sends tensors of other device types to that device's backend.
 
 Point-to-point ops are queued by the pipeline, not dispatched at once (an XLA program needs
 both ends): see :mod:`._pipeline`. A receive from any source learns its sender through the
@@ -30,9 +33,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _checks, _plan
-from tpu_dist.collectives._call_forms import accept_call_forms
-from tpu_dist.collectives._delegate import DelegatingMixin, route_other_devices
+from tpu_dist.collectives import _checks, _plan, _plan_all_to_all, _plan_collectives, _plan_p2p
+from tpu_dist.collectives._call_forms import call_forms
+from tpu_dist.collectives._delegate import DelegatingMixin, other_devices_to
 from tpu_dist.collectives._pipeline import GroupPipeline
 from tpu_dist.collectives._work import TPUWork
 
@@ -42,8 +45,6 @@ def _sent_key(src: int, dst: int, tag: int) -> str:
     return f"tpu_dist/p2p_sent/{src}/{dst}/{tag}"
 
 
-@accept_call_forms  # outermost: short forms become (..., opts) before routing
-@route_other_devices
 class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
     """The "tpu" process group: c10d collectives as XLA collective programs.
 
@@ -206,35 +207,54 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         return self._pipeline.run(self._view, plan, self._timeout, async_op)
 
     # -- the ops: plan, then the common path ---------------------------------------------------
-    # Each op is its plan function (tpu_dist.collectives._plan: checks, blocks, program, finish)
-    # handed to _run. Names and signatures are the ones torch's trampoline calls.
+    # Each op is its plan function (_plan_collectives, _plan_all_to_all: checks, blocks,
+    # program, finish steps) handed to _run. Names and signatures are the ones torch's
+    # trampoline calls. Two decorators wrap most ops, shown on each:
+    #   @call_forms(op)          c10d's short call forms (pg.allreduce(t)) become (..., opts)
+    #                            first (_call_forms.FORMS); c10d's own names for the ops the
+    #                            trampoline calls by others are bound below them (ALIASES);
+    #   @other_devices_to(name)  tensors of other device types go to that device's backend,
+    #                            as its method `name` (_delegate).
 
+    @call_forms("allreduce")
+    @other_devices_to("allreduce")
     def allreduce(self, tensors: list[torch.Tensor], opts: dist.AllreduceOptions) -> TPUWork:
-        return self._run(_plan.all_reduce(self._view, tensors, opts.reduceOp), opts.asyncOp)
+        plan = _plan_collectives.all_reduce(self._view, tensors, opts.reduceOp)
+        return self._run(plan, opts.asyncOp)
 
+    @call_forms("allreduce_coalesced")
+    @other_devices_to("allreduce_coalesced")
     def allreduce_coalesced(
         self, tensors: list[torch.Tensor], opts: dist.AllreduceCoalescedOptions
     ) -> TPUWork:
-        plan = _plan.all_reduce_coalesced(self._view, tensors, opts.reduceOp)
+        plan = _plan_collectives.all_reduce_coalesced(self._view, tensors, opts.reduceOp)
         return self._run(plan, opts.asyncOp)
 
+    @call_forms("reduce")
+    @other_devices_to("reduce")
     def reduce(self, tensors: list[torch.Tensor], opts: dist.ReduceOptions) -> TPUWork:
-        plan = _plan.reduce(self._view, tensors, opts.rootRank, opts.reduceOp)
+        plan = _plan_collectives.reduce(self._view, tensors, opts.rootRank, opts.reduceOp)
         return self._run(plan, opts.asyncOp)
 
+    @call_forms("allgather")
+    @other_devices_to("allgather")
     def allgather(
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
-        plan = _plan.all_gather(self._view, output_tensors, input_tensors)
+        plan = _plan_collectives.all_gather(self._view, output_tensors, input_tensors)
         return self._run(plan, opts.asyncOp)
 
+    @other_devices_to("_allgather_base")
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.AllgatherOptions
     ) -> TPUWork:
-        return self._run(_plan.all_gather_into_tensor(self._view, output, input), opts.asyncOp)
+        plan = _plan_collectives.all_gather_into_tensor(self._view, output, input)
+        return self._run(plan, opts.asyncOp)
+
+    _allgather_base = call_forms("_allgather_base")(all_gather_single)
 
     def all_gather_single_coalesced(
         self,
@@ -242,9 +262,14 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
-        plan = _plan.all_gather_into_tensor_coalesced(self._view, outputs, inputs)
+        plan = _plan_collectives.all_gather_into_tensor_coalesced(self._view, outputs, inputs)
         return self._run(plan, opts.asyncOp)
 
+    allgather_into_tensor_coalesced = call_forms("allgather_into_tensor_coalesced")(
+        all_gather_single_coalesced
+    )
+
+    @call_forms("allgather_coalesced")
     def allgather_coalesced(
         self,
         output_lists: list[list[torch.Tensor]],
@@ -252,32 +277,41 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         opts: dist.AllgatherOptions,
     ) -> TPUWork:
         """``all_gather_coalesced``: ``output_lists[r][i]`` gets rank r's ``input_tensors[i]``."""
-        plan = _plan.all_gather_coalesced(self._view, output_lists, input_tensors)
+        plan = _plan_collectives.all_gather_coalesced(self._view, output_lists, input_tensors)
         return self._run(plan, opts.asyncOp)
 
+    @call_forms("gather")
+    @other_devices_to("gather")
     def gather(
         self,
         output_tensors: list[list[torch.Tensor]],
         input_tensors: list[torch.Tensor],
         opts: dist.GatherOptions,
     ) -> TPUWork:
-        plan = _plan.gather(self._view, output_tensors, input_tensors, opts.rootRank)
+        plan = _plan_collectives.gather(self._view, output_tensors, input_tensors, opts.rootRank)
         return self._run(plan, opts.asyncOp)
 
+    @call_forms("reduce_scatter")
+    @other_devices_to("reduce_scatter")
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: dist.ReduceScatterOptions,
     ) -> TPUWork:
-        plan = _plan.reduce_scatter(self._view, output_tensors, input_tensors, opts.reduceOp)
+        plan = _plan_collectives.reduce_scatter(
+            self._view, output_tensors, input_tensors, opts.reduceOp
+        )
         return self._run(plan, opts.asyncOp)
 
+    @other_devices_to("_reduce_scatter_base")
     def reduce_scatter_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: dist.ReduceScatterOptions
     ) -> TPUWork:
-        plan = _plan.reduce_scatter_tensor(self._view, output, input, opts.reduceOp)
+        plan = _plan_collectives.reduce_scatter_tensor(self._view, output, input, opts.reduceOp)
         return self._run(plan, opts.asyncOp)
+
+    _reduce_scatter_base = call_forms("_reduce_scatter_base")(reduce_scatter_single)
 
     def reduce_scatter_single_coalesced(
         self,
@@ -285,21 +319,33 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         inputs: list[torch.Tensor],
         opts: dist.ReduceScatterOptions,
     ) -> TPUWork:
-        plan = _plan.reduce_scatter_tensor_coalesced(self._view, outputs, inputs, opts.reduceOp)
+        plan = _plan_collectives.reduce_scatter_tensor_coalesced(
+            self._view, outputs, inputs, opts.reduceOp
+        )
         return self._run(plan, opts.asyncOp)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> TPUWork:
-        return self._run(_plan.broadcast(self._view, tensors, opts.rootRank), opts.asyncOp)
+    reduce_scatter_tensor_coalesced = call_forms("reduce_scatter_tensor_coalesced")(
+        reduce_scatter_single_coalesced
+    )
 
+    @call_forms("broadcast")
+    @other_devices_to("broadcast")
+    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions) -> TPUWork:
+        plan = _plan_collectives.broadcast(self._view, tensors, opts.rootRank)
+        return self._run(plan, opts.asyncOp)
+
+    @call_forms("scatter")
+    @other_devices_to("scatter")
     def scatter(
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[list[torch.Tensor]],
         opts: dist.ScatterOptions,
     ) -> TPUWork:
-        plan = _plan.scatter(self._view, output_tensors, input_tensors, opts.rootRank)
+        plan = _plan_collectives.scatter(self._view, output_tensors, input_tensors, opts.rootRank)
         return self._run(plan, opts.asyncOp)
 
+    @other_devices_to("alltoall_base")
     def all_to_all_single(
         self,
         output: torch.Tensor,
@@ -308,33 +354,41 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         input_split_sizes: list[int],
         opts: dist.AllToAllOptions,
     ) -> TPUWork:
-        plan = _plan.all_to_all_single(
+        plan = _plan_all_to_all.all_to_all_single(
             self._view, output, input, output_split_sizes, input_split_sizes
         )
         return self._run(plan, opts.asyncOp)
 
+    alltoall_base = call_forms("alltoall_base")(all_to_all_single)
+
+    @call_forms("alltoall")
+    @other_devices_to("alltoall")
     def alltoall(
         self,
         output_tensors: list[torch.Tensor],
         input_tensors: list[torch.Tensor],
         opts: dist.AllToAllOptions,
     ) -> TPUWork:
-        return self._run(_plan.all_to_all(self._view, output_tensors, input_tensors), opts.asyncOp)
+        plan = _plan_all_to_all.all_to_all(self._view, output_tensors, input_tensors)
+        return self._run(plan, opts.asyncOp)
 
+    @call_forms("barrier")
     def barrier(self, opts: dist.BarrierOptions) -> TPUWork:
-        return self._run(_plan.barrier(self._view), opts.asyncOp)
+        return self._run(_plan_collectives.barrier(self._view), opts.asyncOp)
 
     # -- point to point -----------------------------------------------------------------
 
+    @other_devices_to("send")
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> TPUWork:
-        work = self._queue_p2p(_plan.p2p(self._view, "send", tensors, dst, tag))
+        work = self._queue_p2p(_plan_p2p.p2p(self._view, "send", tensors, dst, tag))
         if self.size() > 2 and self._store is not None:
             # Count the send where a receiver from any source can see it (recv_anysource).
             self._store.add(_sent_key(self.rank(), dst, tag), 1)
         return work
 
+    @other_devices_to("recv")
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> TPUWork:
-        return self._receive(_plan.p2p(self._view, "recv", tensors, src, tag))
+        return self._receive(_plan_p2p.p2p(self._view, "recv", tensors, src, tag))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> TPUWork:
         """``recv`` without ``src``: receive the next send to this rank with ``tag``.
@@ -347,7 +401,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         (:meth:`_receive`). ``work._source_rank()`` (and so ``dist.recv``) gives the
         sender's group rank.
         """
-        plan = _plan.recv_any_source(self._view, tensors, tag)
+        plan = _plan_p2p.recv_any_source(self._view, tensors, tag)
         received = []
 
         def receive(block: bool) -> None:
@@ -369,7 +423,7 @@ class ProcessGroupTPU(DelegatingMixin, dist.ProcessGroup):
         self._received[source] = self._received.get(source, 0) + 1
         return work
 
-    def _wait_for_sender(self, plan: _plan.AnySourcePlan) -> int:
+    def _wait_for_sender(self, plan: _plan_p2p.AnySourcePlan) -> int:
         """A group rank with a send to this rank (``plan.tag``) that was not received yet."""
         if len(plan.peers) == 1:
             return plan.peers[0]

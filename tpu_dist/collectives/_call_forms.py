@@ -10,16 +10,17 @@ torch reaches a group's op methods two ways:
   ``process_group.allreduce([bucket.buffer()])``, user code ``pg.broadcast(t, 0)``,
   ``pg.barrier()``.
 
-A method defined in Python hides those overloads, so :func:`accept_call_forms` wraps each op
-method: the forms below (the overloads of torch 2.13's ``ProcessGroup``, in their order, with
+A method defined in Python hides those overloads, so each op method is defined with
+``@call_forms(op)`` (:func:`call_forms`), which wraps it: the forms below (the overloads of torch 2.13's ``ProcessGroup``, in their order, with
 their parameter names for keyword calls) are turned into the full form before the method runs.
 A call matching none raises a ``TypeError`` naming the op, what was passed, and the forms, as
 c10d's own error does. For example, ``pg.allreduce(t, ReduceOp.MAX)`` becomes
 ``pg.allreduce([t], opts)`` with ``opts.reduceOp = ReduceOp.MAX``.
 
 Ops that torch's trampoline calls by names other than c10d's (``all_gather_single`` for
-``_allgather_base``, ...) get c10d's names too (:data:`ALIASES`): c10d's C++ methods of those
-names would look for a C++ backend, which a process group written in Python has not.
+``_allgather_base``, ...) get c10d's names too (:data:`ALIASES`; the group's class body binds
+``_allgather_base = call_forms("_allgather_base")(all_gather_single)``): c10d's C++ methods of
+those names would look for a C++ backend, which a process group written in Python has not.
 """
 
 from __future__ import annotations
@@ -255,9 +256,9 @@ ALIASES = {
     "allgather_into_tensor_coalesced": "all_gather_single_coalesced",
     "reduce_scatter_tensor_coalesced": "reduce_scatter_single_coalesced",
 }
-"""c10d's name -> the name torch's trampoline calls (the method ``cls`` defines). c10d's C++
-methods under these names look for a C++ backend, which a Python group has not: so they are
-defined on the class too, as the trampoline's methods."""
+"""c10d's name -> the name torch's trampoline calls (the method the group defines). c10d's C++
+methods under these names look for a C++ backend, which a Python group has not: so the group's
+class binds them too, to the trampoline's methods (module doc)."""
 
 
 @functools.cache
@@ -317,22 +318,22 @@ def normalize(op: str, args: tuple, kwargs: dict) -> tuple:
     )
 
 
-def _accepting(op: str, method: Callable[..., Any], options: type) -> Callable[..., Any]:
-    arity = len(_signature(FORMS[op][0]).parameters)
+def call_forms(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Method decorator: the op method accepts every form c10d's ``ProcessGroup`` accepts for
+    ``op`` (:data:`FORMS`), turned into the full form ``(..., opts)`` before it runs (module
+    doc). The full form, as c10d's dispatcher calls it, goes straight through."""
+    full = _signature(FORMS[op][0])
+    arity = len(full.parameters)
+    options = full.parameters["opts"].annotation
 
-    @functools.wraps(method)
-    def accepting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # The full form, as c10d's dispatcher calls it, goes straight through.
-        if not kwargs and len(args) == arity and isinstance(args[-1], options):
-            return method(self, *args)
-        return method(self, *normalize(op, args, kwargs))
+    def decorate(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def accepting(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not kwargs and len(args) == arity and isinstance(args[-1], options):
+                return method(self, *args)
+            return method(self, *normalize(op, args, kwargs))
 
-    return accepting
+        accepting.call_forms = op  # what tests read to see every op of FORMS wrapped
+        return accepting
 
-
-def accept_call_forms(cls: type) -> type:
-    """Class decorator: ``cls``'s op methods accept every form of :data:`FORMS` (module doc)."""
-    for op, forms in FORMS.items():
-        options = _signature(forms[0]).parameters["opts"].annotation
-        setattr(cls, op, _accepting(op, getattr(cls, ALIASES.get(op, op)), options))
-    return cls
+    return decorate

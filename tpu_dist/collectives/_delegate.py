@@ -27,25 +27,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-# tpu_dist's method (what torch's trampoline calls) -> the same collective on a c10d Backend.
-_METHODS = {
-    "allreduce": "allreduce",
-    "allreduce_coalesced": "allreduce_coalesced",
-    "reduce": "reduce",
-    "allgather": "allgather",
-    "all_gather_single": "_allgather_base",
-    "gather": "gather",
-    "reduce_scatter": "reduce_scatter",
-    "reduce_scatter_single": "_reduce_scatter_base",
-    "broadcast": "broadcast",
-    "scatter": "scatter",
-    "all_to_all_single": "alltoall_base",
-    "alltoall": "alltoall",
-    "send": "send",
-    "recv": "recv",
-}
-
-
 def _device_type(args: tuple) -> str | None:
     """The device type of the first tensor among the call's arguments (lists are searched)."""
     for arg in args:
@@ -153,19 +134,21 @@ class DelegatingMixin:
         return backend
 
 
-def _routed(ours: Callable[..., Any], theirs: str) -> Callable[..., Any]:
-    @functools.wraps(ours)
-    def method(self: Any, *args: Any) -> Any:
-        device_type = _device_type(args)
-        if device_type is None or device_type in self._tensor_device_types:
-            return ours(self, *args)
-        return getattr(self._delegate_for(device_type), theirs)(*args)
+def other_devices_to(theirs: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Method decorator: a call whose first tensor is of a device type the group does not take
+    itself (``_tensor_device_types``: CPU, and compile-only mode's fake devices) goes to that
+    device type's delegate backend (module doc), as its method ``theirs`` (c10d ``Backend``'s
+    name for the same collective, ``_allgather_base`` for ``all_gather_single``), unchanged."""
 
-    return method
+    def decorate(ours: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(ours)
+        def routed(self: Any, *args: Any) -> Any:
+            device_type = _device_type(args)
+            if device_type is None or device_type in self._tensor_device_types:
+                return ours(self, *args)
+            return getattr(self._delegate_for(device_type), theirs)(*args)
 
+        routed.other_devices_to = theirs  # what tests read to see the routing
+        return routed
 
-def route_other_devices(cls: type) -> type:
-    """Class decorator: each collective of ``cls`` hands non-CPU tensors to a delegate."""
-    for ours, theirs in _METHODS.items():
-        setattr(cls, ours, _routed(getattr(cls, ours), theirs))
-    return cls
+    return decorate

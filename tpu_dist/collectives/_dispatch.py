@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, get_args
 
 import torch
 
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _plan_algorithms
 from tpu_dist.collectives._types import Kind, ProgramKey
 
 if TYPE_CHECKING:
@@ -338,9 +338,9 @@ def agreement_key(
     """The program the ranks of a shared device set agree on their calls' order with: an
     all-gather of each rank's :data:`Ticket` over ``device_ids``; given the ``family`` (device
     ids of each group) that every group over the set belongs to, that family's program where
-    the group's calls run as family programs (:func:`._plan.program_key`)."""
+    the group's calls run as family programs (:func:`._plan_algorithms.program_key`)."""
     blocks = ((len(get_args(Ticket)), "int32"),)
-    return _plan.program_key(
+    return _plan_algorithms.program_key(
         Kind.ALLGATHER, device_ids, blocks, (), platform, family, device_kind
     )
 

@@ -32,7 +32,7 @@ check that a steady loop builds nothing new. The functions that build program
 bodies and lower them are pure: this module keeps no state of its own.
 
 The algorithm is part of the key (:attr:`ProgramKey.algorithm`), chosen when the call is
-planned (:func:`tpu_dist.collectives._plan.choose_algorithm`: on the CPU platform,
+planned (:func:`tpu_dist.collectives._plan_algorithms.choose_algorithm`: on the CPU platform,
 reduce-scatters and small all-reduces and all-gathers run as all-to-all exchanges instead of
 XLA's own rings, which are slow there); lowering follows it.
 
@@ -477,7 +477,7 @@ def body_for(key: ProgramKey, devices: Sequence[jax.Device]) -> Callable:
     if factory is None:
         raise ValueError(
             f"{key.kind}: no program for algorithm {key.algorithm!r}; choose one with "
-            "tpu_dist.collectives._plan.choose_algorithm (algorithms per kind: "
+            "tpu_dist.collectives._plan_algorithms.choose_algorithm (algorithms per kind: "
             + "; ".join(f"{a}: {', '.join(sorted(b))}" for a, b in _ALGORITHMS.items())
             + ")."
         )
@@ -656,7 +656,7 @@ def _alltoall(size: int):
 def _alltoall_permute(size: int):
     # Block k - 1 is this rank's chunk for rank (i + k) mod size; the k-th collective-permute
     # sends it there, so result k - 1 is what rank (i - k) mod size sent this rank
-    # (_plan.permute_blocks). Blocks are separate arguments, so XLA copies nothing around the
+    # (_plan_blocks.permute_blocks). Blocks are separate arguments, so XLA copies nothing around the
     # sends (its all-to-all slices one block into chunks and joins the received ones).
     def body(*blocks):
         return tuple(

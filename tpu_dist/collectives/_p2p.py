@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _plan
+from tpu_dist.collectives import _plan, _plan_blocks, _plan_p2p
 from tpu_dist.collectives._dispatch import Lane, settle
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ _MAGIC = 0x54445032
 channel ran different programs (a bug of tpu_dist), said as such instead of misread."""
 
 _WORDS_BY_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-"""The word dtype of each word size (:func:`._plan.words`)."""
+"""The word dtype of each word size (:func:`._plan_blocks.words`)."""
 
 
 @dataclass
@@ -268,8 +268,8 @@ class _Receiver:
         into = torch.empty(header.words, dtype=words)
         if op is not None and (op.plan.block.dtype, op.plan.block.numel()) == (words, header.words):
             into = op.plan.block  # the receive's own tensor: nothing to allocate
-        key = _plan.permute_key(
-            plan.header.devices, header.words, _plan.DTYPE_NAMES[words],
+        key = _plan_p2p.permute_key(
+            plan.header.devices, header.words, _plan_blocks.DTYPE_NAMES[words],
             plan.header.params == ((0, 1),),
         )
         return _Message(header, c._programs.run(key, devices, [c._to_jax(into)])), op

@@ -11,8 +11,9 @@ function (:mod:`._plan`, pure) handed to the group's :class:`Pipeline`, which ow
    until every peer has arrived);
 3. **dispatch** (:class:`._dispatch.Dispatcher`): the cached XLA program (:mod:`._lowering`)
    started in the order every rank agrees on, inline or on the dispatcher thread;
-4. **complete** (:class:`._work.TPUWork`): the finish step copies the result blocks into the
-   outputs, on whichever thread waits first.
+4. **complete** (:class:`._work.TPUWork`): the plan's finish steps (:attr:`._plan.Plan.steps`,
+   run in order: drop padding, check verdicts, write the outputs, ...) turn the result blocks
+   into the op's outputs, on whichever thread waits first.
 
 Point-to-point ops are tracked when posted and handed to their direction's channel
 (:class:`._p2p.P2PChannels`): an XLA program needs both ends, so each send and its receive run
@@ -32,6 +33,7 @@ both provide).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -41,7 +43,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.distributed as dist
 
-from tpu_dist.collectives import _plan, _watchdog
+from tpu_dist.collectives import _plan, _plan_algorithms, _watchdog
 from tpu_dist.collectives._dispatch import Ticket, device_set_of
 from tpu_dist.collectives._p2p import P2POp
 from tpu_dist.collectives._types import Call, Kind
@@ -111,7 +113,15 @@ class Pipeline:
         """``devices``: the JAX device of each group rank. ``poll``: works wait by polling, so
         that the watchdog can interrupt them (``TPU_DIST_TIMEOUT_POLICY=raise``; every program
         then starts on the dispatcher thread). ``check_calls``: the DETAIL check."""
-        self._s = services
+        # The process's collaborators (Services), each under its own name.
+        self._dispatcher = services.dispatcher
+        self._p2p = services.p2p
+        self._device_sets = services.device_sets
+        self._completer = services.completer
+        self._watchdog = services.watchdog
+        self._to_jax = services.to_jax
+        self._to_torch = services.to_torch
+        self._rank = services.rank
         self._devices = list(devices)
         self._device_set = device_set_of(self._devices)
         # This group's index among the groups over its device set (see _dispatch.Dispatcher).
@@ -127,13 +137,13 @@ class Pipeline:
         """The group is now one of ``family``: the order agreement over its devices runs as
         that family's program when every group over them is one of it (see _dispatch)."""
         if self._live:
-            self._s.device_sets.set_family(self._device_set, self._index_in_set, family)
+            self._device_sets.set_family(self._device_set, self._index_in_set, family)
 
     def close(self) -> None:
         """The group was destroyed: it no longer shares its devices."""
         if self._live:
             self._live = False
-            self._s.device_sets.remove(self._device_set, self._index_in_set)
+            self._device_sets.remove(self._device_set, self._index_in_set)
 
     # -- collectives -----------------------------------------------------------------------
 
@@ -174,35 +184,30 @@ class Pipeline:
         *,
         async_op: bool = False,
     ) -> TPUWork:
-        s = self._s
         if plan.key is None:  # nothing to move
             return TPUWork.completed(plan.op, plan.finish([]))
         key = plan.key
-        arrays = [s.to_jax(b) for b in plan.blocks]
+        arrays = [self._to_jax(b) for b in plan.blocks]
         if self._check_calls:
             self._check_same_call(group, plan.op, key.params, key.blocks)
         self._seq += 1
         call = Call(plan.op, group.name, group.global_ranks, self._seq, key, timeout)
 
         def explain(err: BaseException) -> dist.DistBackendError:
-            return _watchdog.explain_failure(s.watchdog, err, call, s.rank)
+            return _watchdog.explain_failure(self._watchdog, err, call, self._rank)
 
         work = TPUWork(
             call.op,
             poll=self._poll,
             explain=explain,
             complete_earlier=self._complete_before,
-            completer=s.completer,
+            completer=self._completer,
         )
         self._remember(work)
-        work.on_done(_watchdog.track(s.watchdog, work, call))
-        finish, to_torch = plan.finish, s.to_torch
-
-        def complete(outs: list) -> list[torch.Tensor]:
-            return finish([to_torch(o) for o in outs])
-
+        work.on_done(_watchdog.track(self._watchdog, work, call))
+        complete = functools.partial(_finish_on_host, plan, self._to_torch)
         ticket = self._ticket(call.seq, 1)
-        dispatcher = s.dispatcher
+        dispatcher = self._dispatcher
         if async_op:
             work.start_later(dispatcher.submit(key, self._devices, arrays, ticket), complete)
             return work
@@ -259,7 +264,7 @@ class Pipeline:
         Calls on a device set no other group uses need no agreement: one group's calls are
         issued in the same order on every rank (see _dispatch.Dispatcher).
         """
-        if not self._s.device_sets.shared(self._device_set):
+        if not self._device_sets.shared(self._device_set):
             return None
         return (self._index_in_set, seq, part)
 
@@ -272,24 +277,23 @@ class Pipeline:
         program that cannot mismatch), so a mismatch raises on every rank instead
         of hanging, naming each rank's call.
         """
-        s = self._s
         call = f"{description} {' '.join(map(str, params))} ".strip() + " (" + ", ".join(
             f"{dtype}[{n}]" for n, dtype in meta
         ) + ")"
         raw = call.encode()[:_CALL_BYTES]
         mine = torch.zeros(_CALL_BYTES, dtype=torch.uint8)
         mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        key = _plan.program_key(
+        key = _plan_algorithms.program_key(
             Kind.ALLGATHER, group.device_ids, ((_CALL_BYTES, "uint8"),), (), group.platform,
             group.family, group.device_kind,
         )
         ticket = self._ticket(self._seq + 1, 0)
-        arrays = [s.to_jax(mine)]
+        arrays = [self._to_jax(mine)]
         if ticket is None:
-            (gathered,) = s.dispatcher.run_in_order(key, self._devices, arrays)
+            (gathered,) = self._dispatcher.run_in_order(key, self._devices, arrays)
         else:
-            (gathered,) = s.dispatcher.submit(key, self._devices, arrays, ticket).result()
-        rows = s.to_torch(gathered).view(group.size, _CALL_BYTES)
+            (gathered,) = self._dispatcher.submit(key, self._devices, arrays, ticket).result()
+        rows = self._to_torch(gathered).view(group.size, _CALL_BYTES)
         calls = [bytes(row.tolist()).rstrip(b"\0").decode(errors="replace") for row in rows]
         if len(set(calls)) > 1:
             detail = "; ".join(
@@ -308,34 +312,28 @@ class Pipeline:
         self, group: _plan.GroupView, plan: _plan.P2PPlan, timeout: timedelta
     ) -> TPUWork:
         """Track a planned send or recv and post it to its channel (module doc)."""
-        s = self._s
         devices = tuple(self._devices[r] for r in plan.pair_group_ranks)
         op = P2POp(plan, devices, 0)
-        op.seq = s.p2p.next_seq(plan, op.direction)
+        op.seq = self._p2p.next_seq(plan, op.direction)
         work = TPUWork(
             plan.description,
             poll=self._poll,
             explain=lambda err: self._explain_p2p(err, op, timeout),
-            completer=s.completer,
+            completer=self._completer,
         )
         try:
-            work.on_done(_watchdog.track(s.watchdog, work, self._p2p_call(op, timeout)))
+            work.on_done(_watchdog.track(self._watchdog, work, self._p2p_call(op, timeout)))
         except dist.DistBackendError as err:
             work.fail(err)
             return work
-        to_torch = s.to_torch
-
-        def complete(outs: list) -> list[torch.Tensor]:
-            return plan.finish([to_torch(o) for o in outs])
-
-        work.start_later(op.future, complete)
-        s.p2p.post(op)
+        work.start_later(op.future, functools.partial(_finish_on_host, plan, self._to_torch))
+        self._p2p.post(op)
         return work
 
     def deferred(self, description: str, before_wait: Callable[[bool], None]) -> TPUWork:
         """A work whose ``before_wait`` does the call (a receive from any source learns its
         sender first, then receives)."""
-        return TPUWork(description, before_wait=before_wait, completer=self._s.completer)
+        return TPUWork(description, before_wait=before_wait, completer=self._completer)
 
     def _p2p_call(self, op: P2POp, timeout: timedelta, *, described: bool = False) -> Call:
         """``op`` as a call of its direction's "group" (``p2p:<sender>-><receiver>``): named
@@ -353,4 +351,12 @@ class Pipeline:
         self, err: BaseException, op: P2POp, timeout: timedelta
     ) -> dist.DistBackendError:
         call = self._p2p_call(op, timeout, described=True)
-        return _watchdog.explain_failure(self._s.watchdog, err, call, self._s.rank)
+        return _watchdog.explain_failure(self._watchdog, err, call, self._rank)
+
+
+def _finish_on_host(
+    plan: _plan.Plan | _plan.P2PPlan, to_torch: Callable[[object], torch.Tensor], outs: list
+) -> list[torch.Tensor]:
+    """Complete a call whose program ran: its result arrays as torch tensors on the host, then
+    the plan's finish steps (:attr:`~._plan.Plan.steps`) on them."""
+    return plan.finish([to_torch(o) for o in outs])

@@ -5,8 +5,8 @@ dispatch, the watchdog and flight recorder, the compile-only job) without depend
 
 * :class:`Kind` - the program kinds, with what each stage needs to know about one
   (:attr:`Kind.reduces`, :attr:`Kind.bench_op`, :attr:`Kind.recorded_output`). A new kind is
-  a member here, a body in ``_lowering`` (its ``_ALGORITHMS`` tables), and a plan function in
-  ``_plan`` that builds its key.
+  a member here, a body in ``_lowering`` (its ``_ALGORITHMS`` tables), and a plan function
+  (``_plan_collectives``, beside it ``_plan_all_to_all``) that builds its key.
 * :class:`ProgramKey` - everything that decides a program's XLA code.
 * :class:`Call` - one issued call as it passes the stages after plan (track, dispatch,
   complete) and reaches the watchdog, the flight recorder and the compile-only recorder.
@@ -99,8 +99,8 @@ class ProgramKey:
     algorithm: str | None = None
     """How the program carries out its kind: ``"xla"`` (XLA's own collective), ``"exchange"``
     (direct all-to-all exchanges), ``"gather_reduce"`` (all-gather, then reduce locally); see
-    :data:`tpu_dist.collectives._plan.Algorithm`. The backend's keys always carry the one
-    :func:`~tpu_dist.collectives._plan.choose_algorithm` chose; None (a key built by hand)
+    :data:`tpu_dist.collectives._plan_algorithms.Algorithm`. The backend's keys always carry the one
+    :func:`~tpu_dist.collectives._plan_algorithms.choose_algorithm` chose; None (a key built by hand)
     means "as the backend would choose", which
     :func:`tpu_dist.collectives.compile_only.compile_collective` resolves for its devices."""
 

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpu_dist import _process
-from tpu_dist.collectives import _jaxlib, _lowering, _plan
+from tpu_dist.collectives import _jaxlib, _lowering, _plan_algorithms
 from tpu_dist.collectives._lowering import ProgramKey, part_of_slice_hint
 
 if TYPE_CHECKING:
@@ -285,7 +285,7 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
         The compiled program, its HLO text, its collectives and its scratch memory. The program
         is the one the backend would run on these devices: ``key.algorithm`` if set, else the
         one the backend chooses for these devices (on TPU, XLA's own collectives except where
-        XLA:TPU lacks them; see ``_plan.choose_algorithm``); it is not cached and does not count
+        XLA:TPU lacks them; see ``_plan_algorithms.choose_algorithm``); it is not cached and does not count
         in :func:`tpu_dist.collectives.compile_count`.
 
     Raises:
@@ -294,7 +294,7 @@ def compile_collective(key: ProgramKey, devices: Sequence[jax.Device]) -> Compil
     """
     if key.algorithm is None:
         platform = devices[0].platform if devices else "tpu"
-        algorithm = _plan.choose_algorithm(
+        algorithm = _plan_algorithms.choose_algorithm(
             key.kind, key.blocks, key.params, platform, len(devices) // key.groups
         )
         key = dataclasses.replace(key, algorithm=algorithm)

@@ -154,6 +154,18 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
 
     env = os.environ if environ is None else environ
     parser = get_args_parser()
+    _adapt_torchrun_flags(parser, env)
+    group = parser.add_argument_group("TPU")
+    _add_knob_flags(group, env)
+    _add_plan_flags(group)
+    _add_compile_only_flags(group)
+    _add_output_flags(group)
+    return parser
+
+
+def _adapt_torchrun_flags(parser: argparse.ArgumentParser, env: Mapping[str, str]) -> None:
+    """torchrun's own flags as tpu-launch takes them: its name, no abbreviations, defaults that
+    discovery resolves, ``--nproc-per-host``, and tpu-launch's words in their help."""
     parser.prog = "tpu-launch"
     # No prefix matching of the launcher's flags: argparse applies it to every "--x" of argv,
     # the script's own arguments included, so a script's --tp (tensor parallelism) was taken
@@ -189,7 +201,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
     for action in parser._actions:  # argparse keeps no public way to edit a flag's help
         if action.dest in _TORCHRUN_HELP:
             action.help = _TORCHRUN_HELP[action.dest]
-    group = parser.add_argument_group("TPU")
+
+
+def _add_knob_flags(group: argparse._ArgumentGroup, env: Mapping[str, str]) -> None:
+    """A flag for each launch knob of the TPU group (:data:`TPU_KNOBS`; each also read from its
+    env var)."""
     for knob in TPU_KNOBS:
         group.add_argument(
             *knob.flags,
@@ -201,6 +217,11 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
             knob=knob,
             environ=env,
         )
+
+
+def _add_plan_flags(group: argparse._ArgumentGroup) -> None:
+    """What tpu-launch resolves, shown or handed on: --dry-run, --plan-json,
+    --default-for-cpu."""
     group.add_argument(
         "--dry-run",
         "--dry_run",
@@ -226,6 +247,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         "CPU tensors in them, for programs (training frameworks) that call init_process_group() "
         "without naming a backend.",
     )
+
+
+def _add_compile_only_flags(group: argparse._ArgumentGroup) -> None:
+    """The dry run that compiles a job's collectives for TPU: --compile-only and its options."""
     group.add_argument(
         "--compile-only",
         "--compile_only",
@@ -273,6 +298,10 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         metavar="FILE",
         help="With --compile-only: also write the report as JSON to FILE.",
     )
+
+
+def _add_output_flags(group: argparse._ArgumentGroup) -> None:
+    """How much tpu-launch says, and what it checks first: --verbose, --skip-preflight."""
     group.add_argument(
         "--verbose",
         action="store_true",
@@ -286,7 +315,6 @@ def build_parser(environ: Mapping[str, str] | None = None) -> argparse.ArgumentP
         action="store_true",
         help="Skip the pre-flight checks (ports, TPU devices held by other processes, host count).",
     )
-    return parser
 
 
 def parse_args(

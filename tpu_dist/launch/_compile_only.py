@@ -46,6 +46,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping
+from typing import Any
 
 from tpu_dist import _settings
 from tpu_dist.launch._config import LaunchSpec
@@ -379,38 +380,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(argv: list[str]) -> int:
-    report_path, real_tensors, tpu_device = None, False, True
-    if argv[:1] == ["--report"]:
-        report_path, argv = argv[1], argv[2:]
-    if argv[:1] == ["--real-tensors"]:
-        real_tensors, argv = True, argv[1:]
-    if argv[:1] == ["--no-tpu-device"]:
-        tpu_device, argv = False, argv[1:]
-    if len(argv) < 2 or argv[0] not in ("python", "module"):
+    options = _parse_run_argv(argv)
+    if options is None:
         print(__doc__, file=sys.stderr)
         return 2
-    mode, target, args = argv[0], argv[1], argv[2:]
+    report_path, real_tensors, tpu_device, mode, target, args = options
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     topology = _settings.TOPOLOGY.read()
     slices = _settings.NUM_SLICES.get()
     from tpu_dist import compile_job
-    from tpu_dist.mesh import current_topology
 
     session = compile_job.activate()
-    # The compiler process first, forked before libtpu starts threads here (a fresh one would
-    # import torch and JAX again: about 2 CPU-s); it describes the topology itself and waits
-    # for programs while the script runs. Then libtpu's devices (the "tpu" groups need them;
-    # cached for them): without libtpu, or for a topology it cannot describe, that is the one
-    # error, before the script runs (else the script's init_process_group fails with it and
-    # the report then blames the script).
-    try:
-        session.start_compiler(current_topology(world))
-        session.world(world)
-        if tpu_device:
-            session.emulate_tpu_device(rank)
-    except (RuntimeError, ValueError) as err:
-        session.stop_compiler()
-        print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
+    if not _start_session(session, rank, world, tpu_device):
         return 2
     print(
         f"tpu-launch --compile-only: running {target} as rank {rank} of {world} "
@@ -422,33 +403,7 @@ def _run(argv: list[str]) -> int:
     )
     store = _serve_store()
     started = time.monotonic()
-    from tpu_dist.compile_job import LargeTensorsFake
-
-    emulated = ("tpu",) if tpu_device else ()
-    fake = None
-    if real_tensors and not emulated:
-        with compile_job.refusing_saves() as refused, session.measure_steps():
-            code = _run_script(mode, target, args)
-    else:
-        # Tensors on the emulated device are fake whatever their size (no memory holds them);
-        # with --tensors real only those.
-        threshold = sys.maxsize if real_tensors else 1 << 16
-        with compile_job.refusing_saves() as refused, \
-                LargeTensorsFake(threshold, fake_device_types=emulated) as fake, \
-                session.measure_steps():
-            code = _run_script(mode, target, args)
-        print(
-            f"tpu-launch --compile-only: ran with {'real' if real_tensors else 'fake'} tensors "
-            f"({fake.faked} made fake, {fake.placeholders} value(s) read back as 0)",
-            file=sys.stderr,
-        )
-        if code and not real_tensors:
-            print(
-                "tpu-launch --compile-only: the script failed with fake tensors (large tensors "
-                "hold no data in this mode; the error is above). If it needs real values, run "
-                "it with --tensors real.",
-                file=sys.stderr,
-            )
+    code, refused, fake = _run_recorded(session, mode, target, args, real_tensors, tpu_device)
     script_seconds = time.monotonic() - started
     if refused:
         print(
@@ -456,26 +411,14 @@ def _run(argv: list[str]) -> int:
             f"written: {', '.join(refused[:3])}{' ...' if len(refused) > 3 else ''}",
             file=sys.stderr,
         )
-    assumptions = []
-    if fake is not None and fake.balanced_topk:
-        assumptions.append(
-            f"balanced routing: {fake.balanced_topk} top-k call(s) over values this run does not "
-            "know (a router's scores) picked every choice equally often, and the sizes that "
-            "follow from them (an MoE's tokens per expert, its all-to-all splits) are those of "
-            "balanced routing; real routing is uneven")
     try:
-        report = session.compile(rank, script_seconds, assumptions=assumptions)
+        report = session.compile(rank, script_seconds, assumptions=_assumptions(fake))
     except RuntimeError as err:
         print(f"tpu-launch --compile-only: {err}", file=sys.stderr)
         return code or 1
     sys.stdout.write(report.format_table() + "\n")
     if report_path:
-        compile_job.write_report(report, report_path)
-        print(f"tpu-launch --compile-only: wrote {report_path}", file=sys.stderr)
-        if report.step is not None:
-            picture = compile_job.write_step_picture(report, report_path)
-            print(f"tpu-launch --compile-only: wrote {picture} (where a step's time goes)",
-                  file=sys.stderr)
+        _write_report(report, report_path)
     del store
     if code:
         print(f"tpu-launch --compile-only: the script exited with code {code}", file=sys.stderr)
@@ -486,6 +429,108 @@ def _run(argv: list[str]) -> int:
         return 1
     return 0
 
+
+def _parse_run_argv(
+    argv: list[str],
+) -> tuple[str | None, bool, bool, str, str, list[str]] | None:
+    """(report path, real tensors, emulate the tpu device, "python" or "module", target, the
+    script's arguments) from the child's argv, or None when it names no script."""
+    report_path, real_tensors, tpu_device = None, False, True
+    if argv[:1] == ["--report"]:
+        report_path, argv = argv[1], argv[2:]
+    if argv[:1] == ["--real-tensors"]:
+        real_tensors, argv = True, argv[1:]
+    if argv[:1] == ["--no-tpu-device"]:
+        tpu_device, argv = False, argv[1:]
+    if len(argv) < 2 or argv[0] not in ("python", "module"):
+        return None
+    return report_path, real_tensors, tpu_device, argv[0], argv[1], argv[2:]
+
+
+def _start_session(session: Any, rank: int, world: int, tpu_device: bool) -> bool:
+    """Start what the script's run needs; False (the error printed) if it cannot start.
+
+    The compiler process first, forked before libtpu starts threads here (a fresh one would
+    import torch and JAX again: about 2 CPU-s); it describes the topology itself and waits
+    for programs while the script runs. Then libtpu's devices (the "tpu" groups need them;
+    cached for them): without libtpu, or for a topology it cannot describe, that is the one
+    error, before the script runs (else the script's init_process_group fails with it and
+    the report then blames the script).
+    """
+    from tpu_dist.mesh import current_topology
+
+    try:
+        session.start_compiler(current_topology(world))
+        session.world(world)
+        if tpu_device:
+            session.emulate_tpu_device(rank)
+    except (RuntimeError, ValueError) as err:
+        session.stop_compiler()
+        print(f"tpu-launch --compile-only: error: {err}; nothing was run", file=sys.stderr)
+        return False
+    return True
+
+
+def _run_recorded(
+    session: Any, mode: str, target: str, args: list[str], real_tensors: bool, tpu_device: bool
+) -> tuple[int, list[str], Any]:
+    """Run the script with checkpoint saves refused and its steps measured, its large tensors
+    (and every tensor of the emulated device) fake unless ``real_tensors``: (exit code, the
+    refused saves, the ``LargeTensorsFake`` used or None)."""
+    from tpu_dist import compile_job
+    from tpu_dist.compile_job import LargeTensorsFake
+
+    emulated = ("tpu",) if tpu_device else ()
+    fake = None
+    if real_tensors and not emulated:
+        with compile_job.refusing_saves() as refused, session.measure_steps():
+            code = _run_script(mode, target, args)
+        return code, refused, fake
+    # Tensors on the emulated device are fake whatever their size (no memory holds them);
+    # with --tensors real only those.
+    threshold = sys.maxsize if real_tensors else 1 << 16
+    with compile_job.refusing_saves() as refused, \
+            LargeTensorsFake(threshold, fake_device_types=emulated) as fake, \
+            session.measure_steps():
+        code = _run_script(mode, target, args)
+    print(
+        f"tpu-launch --compile-only: ran with {'real' if real_tensors else 'fake'} tensors "
+        f"({fake.faked} made fake, {fake.placeholders} value(s) read back as 0)",
+        file=sys.stderr,
+    )
+    if code and not real_tensors:
+        print(
+            "tpu-launch --compile-only: the script failed with fake tensors (large tensors "
+            "hold no data in this mode; the error is above). If it needs real values, run "
+            "it with --tensors real.",
+            file=sys.stderr,
+        )
+    return code, refused, fake
+
+
+def _assumptions(fake: Any) -> list[str]:
+    """What the report assumes because tensors were fake (balanced routing for top-k calls)."""
+    if fake is None or not fake.balanced_topk:
+        return []
+    return [
+        f"balanced routing: {fake.balanced_topk} top-k call(s) over values this run does not "
+        "know (a router's scores) picked every choice equally often, and the sizes that "
+        "follow from them (an MoE's tokens per expert, its all-to-all splits) are those of "
+        "balanced routing; real routing is uneven"
+    ]
+
+
+def _write_report(report: Any, report_path: str) -> None:
+    """The report as JSON to ``report_path``, and the step's picture beside it if there is a
+    step."""
+    from tpu_dist import compile_job
+
+    compile_job.write_report(report, report_path)
+    print(f"tpu-launch --compile-only: wrote {report_path}", file=sys.stderr)
+    if report.step is not None:
+        picture = compile_job.write_step_picture(report, report_path)
+        print(f"tpu-launch --compile-only: wrote {picture} (where a step's time goes)",
+              file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())

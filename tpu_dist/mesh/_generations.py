@@ -166,9 +166,9 @@ class Generation:
     benchmarks/slice_programs.py)."""
 
     all_gather_block_multiple: int = 1
-    """The "tpu" backend pads each rank's all-gather block (in words: ``_plan.words``) to a
+    """The "tpu" backend pads each rank's all-gather block (in words: ``_plan_blocks.words``) to a
     multiple of this many elements on this generation (and of
-    ``tpu_dist.collectives._plan.TPU_BLOCK_ALIGN``, 128, on every TPU), and drops the padding
+    ``tpu_dist.collectives._plan_algorithms.TPU_BLOCK_ALIGN``, 128, on every TPU), and drops the padding
     from the result.
     1,024 on every generation in the table (the 1-D tile of XLA:TPU's layouts). libtpu
     (docs/reference/libtpu.md has the version) compiles an int16 (bf16 words) all-gather over 4
