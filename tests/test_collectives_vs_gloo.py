@@ -1,9 +1,11 @@
 """The same program on "tpu" and on "gloo" gives the same results (3 ranks, odd on purpose).
 
 The body runs a mix of collectives a training step uses and returns every
-output; the two backends' outputs are compared rank by rank: integer and
-data-movement results bit for bit, float reductions to float32 round-off
-(the two backends may add in different orders).
+output; the two backends' outputs are compared rank by rank, bit for bit: float
+sums too (all_reduce, reduce_scatter_tensor), in float32, float64 and bfloat16, small and
+above the 256 KiB where the CPU programs change algorithm, and at sizes where gloo's ring
+chunks do not line up with a rank's part (``_lowering.gloo_chunk``). Only float products
+are compared to round-off (tpu_dist multiplies in rank order, gloo's ring in its own).
 """
 
 from __future__ import annotations
@@ -32,6 +34,14 @@ def _program(rank: int, world_size: int) -> dict[str, torch.Tensor]:
         t = make_input(rank, torch.int32, (9,), salt=72)
         dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
         out[f"all_reduce {op} i32"] = t
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (17, 3 * 1001, 70_001 if dtype == torch.float32 else 140_001):
+            t = make_input(rank, dtype, (n,), salt=76)
+            dist.all_reduce(t)
+            out[f"all_reduce SUM {dtype} {n}"] = t
+        part = torch.empty(1001, dtype=dtype)  # gloo's ring chunks here are 1002 elements
+        dist.reduce_scatter_tensor(part, make_input(rank, dtype, (world_size * 1001,), salt=77))
+        out[f"reduce_scatter_tensor {dtype} unaligned"] = part
     x = make_input(rank, torch.float64, (4, 3), salt=73)
     full = torch.empty(world_size * 4, 3, dtype=torch.float64)
     dist.all_gather_into_tensor(full, x)
@@ -71,7 +81,7 @@ def test_same_results_as_gloo(size: int, worlds: Callable[..., World]) -> None:
         for name, expected in want[rank].items():
             actual = got[rank][name]
             assert actual.dtype == expected.dtype and actual.shape == expected.shape, name
-            if expected.dtype.is_floating_point and "all_reduce" in name or "reduce_scatter" in name:
+            if "PRODUCT" in name and expected.dtype.is_floating_point:
                 torch.testing.assert_close(actual, expected, rtol=1e-6, atol=1e-6, msg=name)
             else:
                 assert torch.equal(actual, expected), (rank, name, actual, expected)

@@ -348,7 +348,7 @@ def test_receive_from_any_source_is_a_plain_receive_once_the_source_is_known() -
 # -- algorithms --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("size", "itemsize", "dtype"), [(2, 4, "float32"), (4, 2, "bfloat16")])
+@pytest.mark.parametrize(("size", "itemsize", "dtype"), [(2, 4, "float32"), (4, 4, "float32"), (2, 2, "bfloat16")])
 def test_small_cpu_all_reduces_exchange_up_to_the_limit(size: int, itemsize: int, dtype: str) -> None:
     at = LIMIT // itemsize
     assert choose_algorithm("allreduce", ((at, dtype),), ("SUM",), "cpu", size) == "exchange"
@@ -614,3 +614,31 @@ def test_tpu_coalesced_all_gather_pads_each_block_on_its_own() -> None:
     pb = torch.cat([plan.blocks[1]] * 4)
     got = plan.finish([pa, pb])
     assert torch.equal(got[0], a.repeat(4)) and torch.equal(got[1], b.repeat(4))
+
+
+def test_gloo_chunk_worked_by_hand() -> None:
+    """gloo's ring chunks (decision 0035), by hand. 16,387 float32 on 4 ranks: 65,548 bytes, 8
+    segments (twice the ranks), ceil(65,548 / 8) = 8,194 bytes rounded up to whole elements,
+    8,196 = 2,049 elements; two a rank: 4,098. 3,003 float32 on 3 ranks: 12,012 bytes, 6
+    segments of 2,002 -> 2,004 bytes = 501 elements, two a rank: 1,002 (a rank's reduce-scatter
+    part of 1,001 straddles two). 4 Mi + 5 float32 on 4 ranks: 16,777,236 bytes, 17 segments of
+    1 MiB rounded up to 20 (a multiple of 4) of ceil(16,777,236 / 20) = 838,862 -> 838,864
+    bytes = 209,716 elements, five a rank: 1,048,580. 7 float32 on 4 ranks: 8 segments of 4
+    bytes, 2 elements a rank (the last rank's chunk empty)."""
+    from tpu_dist.collectives._lowering import gloo_chunk
+
+    assert gloo_chunk(16_387, 4, 4) == 4_098
+    assert gloo_chunk(3_003, 4, 3) == 1_002
+    assert gloo_chunk((1 << 22) + 5, 4, 4) == 1_048_580
+    assert gloo_chunk(7, 4, 4) == 2
+
+
+def test_sixteen_bit_float_sums_take_the_exchange_on_three_ranks_and_more() -> None:
+    """XLA:CPU's own all-reduce of bfloat16 does not add as gloo does (decision 0035): above the
+    direct-exchange size a bfloat16 sum on 3 ranks still takes the exchange; on 2 ranks (one
+    order) and for float32 (XLA's ring is gloo's) it keeps XLA's."""
+    big = ((1 << 20, "bfloat16"),)
+    assert choose_algorithm("allreduce", big, ("SUM",), "cpu", 3) == "exchange"
+    assert choose_algorithm("allreduce", big, ("SUM",), "cpu", 2) == "xla"
+    assert choose_algorithm("allreduce", ((1 << 20, "float32"),), ("SUM",), "cpu", 3) == "xla"
+    assert choose_algorithm("allreduce", big, ("MAX",), "cpu", 3) == "xla"

@@ -48,6 +48,11 @@ collectives then support only part of them (see :func:`choose_algorithm`)."""
 
 _SUMS = frozenset({"SUM", "AVG", "PREMUL_SUM"})
 
+_HALF_FLOATS = frozenset({"bfloat16", "float16"})
+"""16-bit floats: XLA:CPU's own all-reduce of them does not add as gloo's ring does (its
+sums of 3 or more ranks differ from gloo's in the last bit; float32's are equal), so on CPU
+they take the ``"exchange"``, which does, at every size (:func:`choose_algorithm`)."""
+
 
 TPU_BLOCK_ALIGN = 128
 """On TPU, an all-gather's and a reduce-scatter's per-rank block is padded to a multiple of
@@ -102,6 +107,9 @@ def choose_algorithm(
     * CPU, reduce-scatter at every size: ``"exchange"``. XLA:CPU's reduce-scatter copies its
       input to a temporary and runs gloo's halving-doubling on it; an all-to-all sends each
       chunk straight to its owner (16 MiB: 2 ranks 13.6 vs 19.3 ms, 4 ranks 23.6 vs 38.2 ms).
+    * CPU, sums of 16-bit floats over 3 or more ranks: ``"exchange"`` at every size, whose
+      sums have gloo's bits (the chunks and order of gloo's ring: ``_lowering.gloo_chunk``);
+      XLA:CPU's own all-reduce of them does not (its float32 sums do).
     * CPU, all-reduce and all-gather up to :data:`DIRECT_EXCHANGE_MAX_BYTES` per rank:
       ``"exchange"``. A ring takes ``size - 1`` rounds of messages per pass, and on a busy
       host every round waits for a thread to be scheduled, while an all-to-all posts every
@@ -136,6 +144,10 @@ def choose_algorithm(
             return "exchange"
         if kind == Kind.ALLTOALL and _bytes(blocks) >= PERMUTE_MIN_BYTES:
             return "permute"
+        if (kind == Kind.ALLREDUCE and size >= 3 and reduce_op in _SUMS
+                and blocks and min(n for n, _ in blocks) > 0
+                and any(dtype in _HALF_FLOATS for _, dtype in blocks)):
+            return "exchange"
         if kind in (Kind.ALLREDUCE, Kind.ALLGATHER) and blocks and min(n for n, _ in blocks) > 0:
             per_rank = sum(n * _itemsize(dtype) for n, dtype in blocks)
             if kind == Kind.ALLGATHER:
