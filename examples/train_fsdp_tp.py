@@ -76,8 +76,8 @@ from torch.distributed.tensor.parallel import (
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_fsdp import (  # noqa: E402
     Decoder,
-    ModelConfig,
     Experts,
+    ModelConfig,
     MoE,
     corpus,
     describe_mesh,
