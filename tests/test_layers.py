@@ -208,7 +208,7 @@ _OTHER_OWNERS = {
 """(module, name) -> why this module-level container is mutated outside :data:`_STATE_OWNER`."""
 
 _MEMOISED = {
-    ("tpu_dist.mesh._plan", "_plan_slice"): "a device layout of constant shapes",
+    ("tpu_dist.mesh._layout", "_plan_slice"): "a device layout of constant shapes",
     ("tpu_dist.collectives._plan_algorithms", "_itemsize"): "a dtype's size",
     ("tpu_dist.collectives._plan_algorithms", "choose_algorithm"): "a pure function of its arguments",
     ("tpu_dist.collectives._call_forms", "_signature"): "a function's signature",

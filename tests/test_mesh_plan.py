@@ -9,7 +9,7 @@ import pytest
 from jax.experimental import mesh_utils
 
 from tpu_dist.mesh import Topology, plan_mesh
-from tpu_dist.mesh._plan import _plan_slice, snake_order, split_dcn
+from tpu_dist.mesh._layout import _plan_slice, snake_order, split_dcn
 
 
 def check_plan(
@@ -156,7 +156,7 @@ def test_same_groups_as_jax_hybrid_mesh(spec: str, num_slices: int, ici: tuple, 
 
 
 def test_jax_v5e_handler_ring_does_not_fit_grid_coordinates() -> None:
-    """Why the mocks avoid JAX's device-kind handlers (see tpu_dist/mesh/_plan.py).
+    """Why the mocks avoid JAX's device-kind handlers (see tpu_dist/mesh/_layout.py).
 
     JAX's v5e handler reorders an 8-chip slice with a ring order made for real devices'
     numbering; on a 2x4 grid listed x fastest it is not a ring. If this starts failing, JAX

@@ -363,7 +363,7 @@ def _setup_logging() -> None:
 def _write_plan(spec: Any, environ: Mapping[str, str]) -> None:
     import json
 
-    from tpu_dist.launch._plan import launch_plan
+    from tpu_dist.launch._launch_json import launch_plan
 
     text = json.dumps(launch_plan(spec, environ), indent=2) + "\n"
     if spec.plan_json == "-":

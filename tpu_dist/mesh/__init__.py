@@ -32,7 +32,7 @@ from tpu_dist.mesh._device_mesh import (
 )
 from tpu_dist.mesh._bandwidth import BUS_FACTORS, Expectation, bus_factor, expected_busbw
 from tpu_dist.mesh._host import count_local_tpu_chips, tpu_attached, tpu_device_files
-from tpu_dist.mesh._plan import plan_mesh
+from tpu_dist.mesh._layout import plan_mesh
 from tpu_dist.mesh._generations import (
     Generation,
     generation_of_device_kind,

@@ -17,7 +17,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tpu_dist.mesh._plan import plan_mesh, report_axes, split_dcn
+from tpu_dist.mesh._layout import plan_mesh, report_axes, split_dcn
 from tpu_dist.mesh._generations import generations
 from tpu_dist.mesh._topology import Topology
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tpu_dist import _settings
-from tpu_dist.mesh._plan import plan_mesh
+from tpu_dist.mesh._layout import plan_mesh
 from tpu_dist.mesh._topology import Topology
 
 if TYPE_CHECKING:
