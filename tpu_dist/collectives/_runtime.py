@@ -230,92 +230,17 @@ class Runtime:
         _settings.check()
         attempt()
         with self.lock:
-            info = self.info
-            if info is not None:
-                if (info.world_size, info.rank) != (world_size, rank):
-                    raise RuntimeError(
-                        "tpu_dist's JAX runtime was started for "
-                        f"world_size={info.world_size}, rank={info.rank} and cannot be "
-                        f"restarted in the same process as world_size={world_size}, "
-                        f"rank={rank}: JAX allows one distributed initialization per "
-                        "process. Start a new process (tpu-launch restarts workers) to "
-                        "change the world."
-                    )
-                return info
+            if self.info is not None:
+                return _same_world(self.info, world_size, rank)
             platform = resolve_platform()
             # Parsed now, so that a malformed TPU_DIST_COMPILE_CACHE fails init_process_group on
             # every rank, not the first collective (the directory is made at the first program).
             _settings.COMPILE_CACHE.get()
-            if platform == "cpu":
-                if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
-                    logger.warning(
-                        "tpu_dist: %s=cpu overrides JAX_PLATFORMS=%s for this process.",
-                        PLATFORM_ENV,
-                        os.environ["JAX_PLATFORMS"],
-                    )
-                jax.config.update("jax_platforms", "cpu")
-                jax.config.update("jax_num_cpu_devices", 1)
-            elif platform == "tpu":
-                jax.config.update("jax_platforms", "tpu")
-            else:
-                jax.config.update("jax_platforms", "cuda")
+            _select_jax_platform(platform)
             outside = _settings.COORDINATION_SERVICE.read()
-            if outside is not None:
-                address = outside
-                _wait_until_listening(
-                    address, timeout.total_seconds(), rank,
-                    f"set by {_settings.COORDINATION_SERVICE.env}",
-                )
-            else:
-                address = _exchange_coordinator_address(store, rank, timeout)
-            init_timeout = max(int(timeout.total_seconds()), 10)
-            sigterm = signal.getsignal(signal.SIGTERM)
-            # A process that exits is not an error for the others (no error propagation, no
-            # shutdown barrier); JAX's preemption notifier would swallow SIGTERM.
-            jax.config.update("jax_enable_recoverability", True)
-            jax.config.update("jax_enable_preemption_service", False)
-            try:
-                if outside is not None:
-                    _jaxlib.connect_to_service(
-                        address,
-                        rank,
-                        world_size,
-                        init_timeout_s=init_timeout,
-                        heartbeat_timeout_s=JAX_HEARTBEAT_TIMEOUT_S,
-                    )
-                else:
-                    jax.distributed.initialize(
-                        coordinator_address=address,
-                        num_processes=world_size,
-                        process_id=rank,
-                        initialization_timeout=init_timeout,
-                        heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
-                        shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
-                        coordinator_bind_address=bind_address(address),
-                    )
-            except RuntimeError as err:
-                if "must be called before" in str(err):
-                    raise RuntimeError(
-                        "tpu_dist must start JAX's distributed runtime, but JAX was already "
-                        "used in this process before the first 'tpu' process group "
-                        f"({err}). Call dist.init_process_group('tpu') before any JAX "
-                        "computation or jax.devices() call."
-                    ) from err
-                raise
-            if sigterm is not None and threading.current_thread() is threading.main_thread():
-                # JAX's preemption notifier catches SIGTERM and carries on; torch users (and
-                # tpu-launch, torchrun) expect SIGTERM to stop a worker. Put back what was there.
-                signal.signal(signal.SIGTERM, sigterm)
-            by_process: dict[int, jax.Device] = {}
-            for device in sorted(jax.devices(), key=lambda d: d.id):
-                by_process.setdefault(device.process_index, device)
-            if sorted(by_process) != list(range(world_size)):
-                raise RuntimeError(
-                    f"JAX reports devices for processes {sorted(by_process)}, expected one "
-                    f"device in each of {world_size} processes; check that every rank "
-                    "started with the same world size."
-                )
-            self.devices = [by_process[r] for r in range(world_size)]
+            address = _coordinator_address(store, rank, timeout, outside)
+            _initialize_jax(address, rank, world_size, timeout, connect_only=outside is not None)
+            self.devices = _one_device_per_process(world_size)
             self._device = self.devices[rank]
             self._on_cpu = platform == "cpu"
             self.programs.platform = platform
@@ -485,6 +410,111 @@ def disconnect() -> None:
     started = info()
     if started is not None and not started.hosts_service and jax.distributed.is_initialized():
         jax.distributed.shutdown()
+
+
+def _same_world(info: RuntimeInfo, world_size: int, rank: int) -> RuntimeInfo:
+    """``info`` when JAX already runs for this world and rank; else the error saying why not."""
+    if (info.world_size, info.rank) != (world_size, rank):
+        raise RuntimeError(
+            "tpu_dist's JAX runtime was started for "
+            f"world_size={info.world_size}, rank={info.rank} and cannot be "
+            f"restarted in the same process as world_size={world_size}, "
+            f"rank={rank}: JAX allows one distributed initialization per "
+            "process. Start a new process (tpu-launch restarts workers) to "
+            "change the world."
+        )
+    return info
+
+
+def _select_jax_platform(platform: str) -> None:
+    """Point JAX at ``platform``; on CPU, one XLA CPU device for this process."""
+    if platform == "cpu":
+        if os.environ.get("JAX_PLATFORMS") not in (None, "", "cpu"):
+            logger.warning(
+                "tpu_dist: %s=cpu overrides JAX_PLATFORMS=%s for this process.",
+                PLATFORM_ENV,
+                os.environ["JAX_PLATFORMS"],
+            )
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", 1)
+    elif platform == "tpu":
+        jax.config.update("jax_platforms", "tpu")
+    else:
+        jax.config.update("jax_platforms", "cuda")
+
+
+def _coordinator_address(
+    store: dist.Store, rank: int, timeout: timedelta, outside: str | None
+) -> str:
+    """The coordination service's ``host:port``: the one outside the ranks (``outside``, once it
+    listens) or the one rank 0 hosts (exchanged through ``store``)."""
+    if outside is not None:
+        _wait_until_listening(
+            outside, timeout.total_seconds(), rank,
+            f"set by {_settings.COORDINATION_SERVICE.env}",
+        )
+        return outside
+    return _exchange_coordinator_address(store, rank, timeout)
+
+
+def _initialize_jax(
+    address: str, rank: int, world_size: int, timeout: timedelta, *, connect_only: bool
+) -> None:
+    """Start JAX's distributed runtime: a client of the service at ``address`` only
+    (``connect_only``), or ``jax.distributed.initialize`` (rank 0 hosts the service). Recoverable,
+    and SIGTERM's handler as it was before."""
+    init_timeout = max(int(timeout.total_seconds()), 10)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    # A process that exits is not an error for the others (no error propagation, no
+    # shutdown barrier); JAX's preemption notifier would swallow SIGTERM.
+    jax.config.update("jax_enable_recoverability", True)
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        if connect_only:
+            _jaxlib.connect_to_service(
+                address,
+                rank,
+                world_size,
+                init_timeout_s=init_timeout,
+                heartbeat_timeout_s=JAX_HEARTBEAT_TIMEOUT_S,
+            )
+        else:
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=world_size,
+                process_id=rank,
+                initialization_timeout=init_timeout,
+                heartbeat_timeout_seconds=JAX_HEARTBEAT_TIMEOUT_S,
+                shutdown_timeout_seconds=JAX_SHUTDOWN_TIMEOUT_S,
+                coordinator_bind_address=bind_address(address),
+            )
+    except RuntimeError as err:
+        if "must be called before" in str(err):
+            raise RuntimeError(
+                "tpu_dist must start JAX's distributed runtime, but JAX was already "
+                "used in this process before the first 'tpu' process group "
+                f"({err}). Call dist.init_process_group('tpu') before any JAX "
+                "computation or jax.devices() call."
+            ) from err
+        raise
+    if sigterm is not None and threading.current_thread() is threading.main_thread():
+        # JAX's preemption notifier catches SIGTERM and carries on; torch users (and
+        # tpu-launch, torchrun) expect SIGTERM to stop a worker. Put back what was there.
+        signal.signal(signal.SIGTERM, sigterm)
+
+
+def _one_device_per_process(world_size: int) -> list[jax.Device]:
+    """The first device of each JAX process, by process index (= rank)."""
+    by_process: dict[int, jax.Device] = {}
+    for device in sorted(jax.devices(), key=lambda d: d.id):
+        by_process.setdefault(device.process_index, device)
+    if sorted(by_process) != list(range(world_size)):
+        raise RuntimeError(
+            f"JAX reports devices for processes {sorted(by_process)}, expected one "
+            f"device in each of {world_size} processes; check that every rank "
+            "started with the same world size."
+        )
+    return [by_process[r] for r in range(world_size)]
 
 
 def _exchange_coordinator_address(store: dist.Store, rank: int, timeout: timedelta) -> str:
