@@ -286,111 +286,137 @@ def _run_flex_attention_eagerly() -> Any:
     return restore
 
 
+class _PeakBytes:
+    """The peak part of :func:`_peak_tracker`'s tracker (mixed in before ``MemTracker``): the
+    overall peak, restartable at a step's start, and the device's bytes (``device_type``: the
+    bytes on devices of that type whenever the script put any there, else every device's)."""
+
+    device_peak = 0
+    """The device's bytes at their peak since :meth:`restart_device_peak`."""
+    _total_key: str
+    """MemTracker's key of a snapshot's total (set by the class :func:`_peak_tracker` makes)."""
+
+    def __init__(self, *, device_type: str | None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._device_type = device_type
+
+    def restart_peak(self) -> None:
+        """The peak from now on (what ``__enter__`` does)."""
+        snap = self.get_tracker_snapshot("current")
+        self._peak_mem_snap = snap
+        self._peak_mem = {dev: s[self._total_key] for dev, s in snap.items()}
+
+    def _device_snaps(self, snaps: dict) -> list[dict]:
+        """The snapshots that count as the device's (class doc)."""
+        if self._device_type is not None:
+            mine = [s for dev, s in snaps.items() if dev.type == self._device_type]
+            if any(s[self._total_key] for s in mine):
+                return mine
+        return list(snaps.values())
+
+    def peak(self) -> tuple[int, dict[str, int]]:
+        """Peak bytes on the device since :meth:`restart_peak`, and what they held."""
+        total, kinds = 0, {}
+        for dev_snap in self._device_snaps(self._peak_mem_snap):
+            total += dev_snap[self._total_key]
+            for k, v in dev_snap.items():
+                if k != self._total_key and v:
+                    name = getattr(k, "value", str(k))
+                    kinds[name] = kinds.get(name, 0) + v
+        return total, kinds
+
+    def device_bytes(self) -> int:
+        """The device's bytes now."""
+        return sum(s[self._total_key] for s in self._device_snaps(self._curr_mem_snap))
+
+    def restart_device_peak(self) -> None:
+        self.device_peak = self.device_bytes()
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        # The overall peak only: MemTracker's per-module peaks look at every module on
+        # every op (minutes at 126 layers) and are not reported here.
+        for dev, dev_snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < dev_snap[self._total_key]:
+                self._peak_mem[dev] = dev_snap[self._total_key]
+                self._peak_mem_snap[dev] = deepcopy(dev_snap)
+        if self._device_type is not None:
+            self.device_peak = max(self.device_peak, self.device_bytes())
+
+
+class _GuardedHooks:
+    """The hooks part of :func:`_peak_tracker`'s tracker (mixed in before ``MemTracker``): each
+    of MemTracker's hooks run under ``guard``."""
+
+    def __init__(self, *, guard: _Guard, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._guard = guard
+
+    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        def run() -> None:
+            try:
+                super(_GuardedHooks, self)._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # a root module again in the same step
+                self.reset_mod_stats()  # (gradient accumulation)
+                super(_GuardedHooks, self)._pre_fw_hook(module, inputs)
+
+        self._guard.hook("MemTracker's pre-forward hook", run)
+
+    # The three hooks below keep per-module snapshots only (not reported here). A module
+    # whose stats were reset within the step has none to add to: a module run again at the
+    # top level in one step (TorchTitan's chunked loss runs the final norm and the output
+    # projection chunk by chunk) resets every module's stats (_pre_fw_hook above), and the
+    # modules whose forward ran before then reach their backward untracked.
+
+    def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+        if module in self.memory_tracking:
+            self._guard.hook("MemTracker's post-forward hook", lambda: super(
+                _GuardedHooks, self)._post_fw_hook(module, inputs, outputs))
+
+    def _pre_bw_hook(self, module: Any, args: Any) -> None:
+        if module in self.memory_tracking:
+            self._guard.hook("MemTracker's pre-backward hook",
+                             lambda: super(_GuardedHooks, self)._pre_bw_hook(module, args))
+
+    def _post_bw_hook(self, module: Any, args: Any) -> None:
+        if module in self.memory_tracking:
+            self._guard.hook("MemTracker's post-backward hook",
+                             lambda: super(_GuardedHooks, self)._post_bw_hook(module, args))
+
+    def _track_optimizer_states(self, *args: Any) -> None:
+        self._guard.hook("MemTracker's optimizer-state tracking",
+                         lambda: super(_GuardedHooks, self)._track_optimizer_states(*args))
+
+    def _update_and_maybe_create_winfos(self, *args: Any, **kwargs: Any) -> set:
+        # Also what its gradient hooks call, from autograd.
+        found = self._guard.hook("MemTracker's tensor tracking", lambda: super(
+            _GuardedHooks, self)._update_and_maybe_create_winfos(*args, **kwargs))
+        return set() if found is None else found
+
+
 def _peak_tracker(guard: _Guard, device_type: str | None = None) -> Any:
-    """A :class:`MemTracker` whose peak can be restarted at a step's start, its dispatch and
-    hooks under ``guard`` (None if torch's tracker is missing). With ``device_type`` (the
-    emulated ``"tpu"``), the device's memory is the bytes on devices of that type whenever the
-    script put any there (host tensors are not HBM then), else every device's."""
+    """A :class:`MemTracker` whose peak can be restarted at a step's start (:class:`_PeakBytes`),
+    its dispatch and hooks under ``guard`` (:class:`_GuardedHooks`); None if torch's tracker is
+    missing. With ``device_type`` (the emulated ``"tpu"``), the device's memory is the bytes on
+    devices of that type whenever the script put any there (host tensors are not HBM then),
+    else every device's."""
     try:
         from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
     except ImportError:  # pragma: no cover - torch without the tracker
         return None
 
-    class _PeakTracker(MemTracker):
+    class _PeakTracker(_PeakBytes, _GuardedHooks, MemTracker):
         supports_higher_order_operators = True  # FlexAttention's ops: tracked like any other
-        device_peak = 0
-        """The device's bytes at their peak since :meth:`restart_device_peak`."""
+        _total_key = _TOTAL_KEY
 
-        def restart_peak(self) -> None:
-            """The peak from now on (what ``__enter__`` does)."""
-            snap = self.get_tracker_snapshot("current")
-            self._peak_mem_snap = snap
-            self._peak_mem = {dev: s[_TOTAL_KEY] for dev, s in snap.items()}
-
-        def _device_snaps(self, snaps: dict) -> list[dict]:
-            """The snapshots that count as the device's (class doc)."""
-            if device_type is not None:
-                mine = [s for dev, s in snaps.items() if dev.type == device_type]
-                if any(s[_TOTAL_KEY] for s in mine):
-                    return mine
-            return list(snaps.values())
-
-        def peak(self) -> tuple[int, dict[str, int]]:
-            """Peak bytes on the device since :meth:`restart_peak`, and what they held."""
-            total, kinds = 0, {}
-            for dev_snap in self._device_snaps(self._peak_mem_snap):
-                total += dev_snap[_TOTAL_KEY]
-                for k, v in dev_snap.items():
-                    if k != _TOTAL_KEY and v:
-                        name = getattr(k, "value", str(k))
-                        kinds[name] = kinds.get(name, 0) + v
-            return total, kinds
-
-        def device_bytes(self) -> int:
-            """The device's bytes now."""
-            return sum(s[_TOTAL_KEY] for s in self._device_snaps(self._curr_mem_snap))
-
-        def restart_device_peak(self) -> None:
-            self.device_peak = self.device_bytes()
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            # The overall peak only: MemTracker's per-module peaks look at every module on
-            # every op (minutes at 126 layers) and are not reported here.
-            for dev, dev_snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
-            if device_type is not None:
-                self.device_peak = max(self.device_peak, self.device_bytes())
-
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            def run() -> None:
-                try:
-                    super(_PeakTracker, self)._pre_fw_hook(module, inputs)
-                except NotImplementedError:  # a root module again in the same step
-                    self.reset_mod_stats()  # (gradient accumulation)
-                    super(_PeakTracker, self)._pre_fw_hook(module, inputs)
-
-            guard.hook("MemTracker's pre-forward hook", run)
-
-        # The three hooks below keep per-module snapshots only (not reported here). A module
-        # whose stats were reset within the step has none to add to: a module run again at the
-        # top level in one step (TorchTitan's chunked loss runs the final norm and the output
-        # projection chunk by chunk) resets every module's stats (_pre_fw_hook above), and the
-        # modules whose forward ran before then reach their backward untracked.
-
-        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
-            if module in self.memory_tracking:
-                guard.hook("MemTracker's post-forward hook", lambda: super(
-                    _PeakTracker, self)._post_fw_hook(module, inputs, outputs))
-
-        def _pre_bw_hook(self, module: Any, args: Any) -> None:
-            if module in self.memory_tracking:
-                guard.hook("MemTracker's pre-backward hook",
-                           lambda: super(_PeakTracker, self)._pre_bw_hook(module, args))
-
-        def _post_bw_hook(self, module: Any, args: Any) -> None:
-            if module in self.memory_tracking:
-                guard.hook("MemTracker's post-backward hook",
-                           lambda: super(_PeakTracker, self)._post_bw_hook(module, args))
-
-        def _track_optimizer_states(self, *args: Any) -> None:
-            guard.hook("MemTracker's optimizer-state tracking",
-                       lambda: super(_PeakTracker, self)._track_optimizer_states(*args))
-
-        def _update_and_maybe_create_winfos(self, *args: Any, **kwargs: Any) -> set:
-            # Also what its gradient hooks call, from autograd.
-            found = guard.hook("MemTracker's tensor tracking", lambda: super(
-                _PeakTracker, self)._update_and_maybe_create_winfos(*args, **kwargs))
-            return set() if found is None else found
-
+        # Defined here, on the TorchDispatchMode subclass itself: its __init_subclass__ wraps
+        # the __torch_dispatch__ a class defines (torch._disable_dynamo), not a mixin's.
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                                kwargs: dict | None = None) -> Any:
             return guard.dispatch(
                 lambda: super(_PeakTracker, self).__torch_dispatch__(func, types, args, kwargs),
                 func, args, kwargs)
 
-    return _PeakTracker()
+    return _PeakTracker(guard=guard, device_type=device_type)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
