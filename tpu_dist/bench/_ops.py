@@ -78,6 +78,123 @@ def _mismatch(what: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
     return f"{what}[{bad}] = {got[bad].item()}, expected {want[bad].item()}"
 
 
+def _full(numel: int, value: float, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((numel,), value, dtype=dtype)
+
+
+def _all_reduce_case(
+    group: dist.ProcessGroup, r: int, n: int, count: int, dtype: torch.dtype
+) -> OpCase:
+    t = torch.zeros(count, dtype=dtype)
+    return OpCase(
+        "all_reduce",
+        count,
+        call=lambda: _waiter(dist.all_reduce(t, group=group, async_op=True)),
+        fill=lambda: t.fill_(r + 1),
+        verify=lambda: _mismatch("out", t, _full(count, n * (n + 1) // 2, dtype)),
+        clear=t.zero_,
+    )
+
+
+def _all_gather_case(
+    group: dist.ProcessGroup, r: int, n: int, count: int, dtype: torch.dtype
+) -> OpCase:
+    chunk = count // n
+    inp, out = torch.zeros(chunk, dtype=dtype), torch.zeros(count, dtype=dtype)
+    want = torch.arange(1, n + 1, dtype=dtype).repeat_interleave(chunk)
+    return OpCase(
+        "all_gather_into_tensor",
+        count,
+        call=lambda: _waiter(_ALL_GATHER(out, inp, group=group, async_op=True)),
+        fill=lambda: inp.fill_(r + 1),
+        verify=lambda: _mismatch("out", out, want),
+        clear=lambda: (inp.zero_(), out.zero_()),
+    )
+
+
+def _reduce_scatter_case(
+    group: dist.ProcessGroup, r: int, n: int, count: int, dtype: torch.dtype
+) -> OpCase:
+    chunk = count // n
+    inp, out = torch.zeros(count, dtype=dtype), torch.zeros(chunk, dtype=dtype)
+    return OpCase(
+        "reduce_scatter_tensor",
+        count,
+        call=lambda: _waiter(_REDUCE_SCATTER(out, inp, group=group, async_op=True)),
+        fill=lambda: inp.fill_(r + 1),
+        verify=lambda: _mismatch("out", out, _full(chunk, n * (n + 1) // 2, dtype)),
+        clear=lambda: (inp.zero_(), out.zero_()),
+    )
+
+
+def _all_to_all_case(
+    group: dist.ProcessGroup, r: int, n: int, count: int, dtype: torch.dtype
+) -> OpCase:
+    chunk = count // n
+    inp, out = torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype)
+    # Chunk j of rank r's input is r*n + j + 1; rank r receives chunk r of every rank i.
+    sent = (torch.arange(n, dtype=torch.float32) + r * n + 1).repeat_interleave(chunk)
+    want = (torch.arange(n, dtype=torch.float32) * n + r + 1).repeat_interleave(chunk)
+    return OpCase(
+        "all_to_all_single",
+        count,
+        call=lambda: _waiter(dist.all_to_all_single(out, inp, group=group, async_op=True)),
+        fill=lambda: inp.copy_(sent),
+        verify=lambda: _mismatch("out", out, want.to(dtype)),
+        clear=lambda: (inp.zero_(), out.zero_()),
+    )
+
+
+def _broadcast_case(
+    group: dist.ProcessGroup, r: int, n: int, count: int, dtype: torch.dtype
+) -> OpCase:
+    t = torch.zeros(count, dtype=dtype)
+    return OpCase(
+        "broadcast",
+        count,
+        call=lambda: _waiter(dist.broadcast(t, src=0, group=group, async_op=True)),
+        fill=lambda: t.fill_(r + 1),
+        verify=lambda: _mismatch("out", t, _full(count, 1, dtype)),
+        clear=t.zero_,
+    )
+
+
+def _send_recv_case(
+    group: dist.ProcessGroup, r: int, n: int, count: int, dtype: torch.dtype
+) -> OpCase:
+    send, recv = torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype)
+    to, frm = (r + 1) % n, (r - 1) % n
+    peer_to = dist.get_global_rank(group, to)
+    peer_from = dist.get_global_rank(group, frm)
+
+    def call() -> None:
+        ops = [
+            dist.P2POp(dist.isend, send, peer_to, group),
+            dist.P2POp(dist.irecv, recv, peer_from, group),
+        ]
+        _waiter(dist.batch_isend_irecv(ops))
+
+    return OpCase(
+        "send_recv",
+        count,
+        call=call,
+        fill=lambda: send.fill_(r + 1),
+        verify=lambda: _mismatch("recv", recv, _full(count, frm + 1, dtype)),
+        clear=lambda: (send.zero_(), recv.zero_()),
+    )
+
+
+_CASES: dict[str, Callable[..., OpCase]] = {
+    "all_reduce": _all_reduce_case,
+    "all_gather_into_tensor": _all_gather_case,
+    "reduce_scatter_tensor": _reduce_scatter_case,
+    "all_to_all_single": _all_to_all_case,
+    "broadcast": _broadcast_case,
+    "send_recv": _send_recv_case,
+}
+"""Each op's buffers and calls, made from ``(group, rank, nranks, count, dtype)``."""
+
+
 def make_case(
     op: str, group: dist.ProcessGroup, rank: int, nranks: int, count: int, dtype: torch.dtype
 ) -> OpCase:
@@ -85,85 +202,6 @@ def make_case(
 
     ``rank`` is this process's rank in ``group`` (= its global rank: groups span the world).
     """
-    n, r = nranks, rank
-    chunk = count // n
-
-    def full(numel: int, value: float) -> torch.Tensor:
-        return torch.full((numel,), value, dtype=dtype)
-
-    if op == "all_reduce":
-        t = torch.zeros(count, dtype=dtype)
-        return OpCase(
-            op,
-            count,
-            call=lambda: _waiter(dist.all_reduce(t, group=group, async_op=True)),
-            fill=lambda: t.fill_(r + 1),
-            verify=lambda: _mismatch("out", t, full(count, n * (n + 1) // 2)),
-            clear=t.zero_,
-        )
-    if op == "all_gather_into_tensor":
-        inp, out = torch.zeros(chunk, dtype=dtype), torch.zeros(count, dtype=dtype)
-        want = torch.arange(1, n + 1, dtype=dtype).repeat_interleave(chunk)
-        return OpCase(
-            op,
-            count,
-            call=lambda: _waiter(_ALL_GATHER(out, inp, group=group, async_op=True)),
-            fill=lambda: inp.fill_(r + 1),
-            verify=lambda: _mismatch("out", out, want),
-            clear=lambda: (inp.zero_(), out.zero_()),
-        )
-    if op == "reduce_scatter_tensor":
-        inp, out = torch.zeros(count, dtype=dtype), torch.zeros(chunk, dtype=dtype)
-        return OpCase(
-            op,
-            count,
-            call=lambda: _waiter(_REDUCE_SCATTER(out, inp, group=group, async_op=True)),
-            fill=lambda: inp.fill_(r + 1),
-            verify=lambda: _mismatch("out", out, full(chunk, n * (n + 1) // 2)),
-            clear=lambda: (inp.zero_(), out.zero_()),
-        )
-    if op == "all_to_all_single":
-        inp, out = torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype)
-        # Chunk j of rank r's input is r*n + j + 1; rank r receives chunk r of every rank i.
-        sent = (torch.arange(n, dtype=torch.float32) + r * n + 1).repeat_interleave(chunk)
-        want = (torch.arange(n, dtype=torch.float32) * n + r + 1).repeat_interleave(chunk)
-        return OpCase(
-            op,
-            count,
-            call=lambda: _waiter(dist.all_to_all_single(out, inp, group=group, async_op=True)),
-            fill=lambda: inp.copy_(sent),
-            verify=lambda: _mismatch("out", out, want.to(dtype)),
-            clear=lambda: (inp.zero_(), out.zero_()),
-        )
-    if op == "broadcast":
-        t = torch.zeros(count, dtype=dtype)
-        return OpCase(
-            op,
-            count,
-            call=lambda: _waiter(dist.broadcast(t, src=0, group=group, async_op=True)),
-            fill=lambda: t.fill_(r + 1),
-            verify=lambda: _mismatch("out", t, full(count, 1)),
-            clear=t.zero_,
-        )
-    if op == "send_recv":
-        send, recv = torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype)
-        to, frm = (r + 1) % n, (r - 1) % n
-        peer_to = dist.get_global_rank(group, to)
-        peer_from = dist.get_global_rank(group, frm)
-
-        def call() -> None:
-            ops = [
-                dist.P2POp(dist.isend, send, peer_to, group),
-                dist.P2POp(dist.irecv, recv, peer_from, group),
-            ]
-            _waiter(dist.batch_isend_irecv(ops))
-
-        return OpCase(
-            op,
-            count,
-            call=call,
-            fill=lambda: send.fill_(r + 1),
-            verify=lambda: _mismatch("recv", recv, full(count, frm + 1)),
-            clear=lambda: (send.zero_(), recv.zero_()),
-        )
-    raise ValueError(f"unknown op {op!r}")
+    if op not in _CASES:
+        raise ValueError(f"unknown op {op!r}")
+    return _CASES[op](group, rank, nranks, count, dtype)
