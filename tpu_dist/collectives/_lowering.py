@@ -579,7 +579,12 @@ def _allreduce(size: int, op: str, factor: float | None = None, *, gather_min_ma
 
 def _exchange(size: int, rows: jax.Array) -> jax.Array:
     """All-to-all of ``rows`` ([size, k]): row j goes to rank j; row i of the result came
-    from rank i."""
+    from rank i. Rows of a 16-bit type move as 32-bit words where ``k`` is even (exact: a
+    bitcast; XLA:CPU moves them faster: decision 0035)."""
+    if rows.dtype.itemsize == 2 and rows.shape[1] % 2 == 0:
+        pairs = lax.bitcast_convert_type(rows.reshape(size, -1, 2), jnp.uint32)
+        moved = lax.all_to_all(pairs, AXIS, 0, 0, tiled=True)
+        return lax.bitcast_convert_type(moved, rows.dtype).reshape(size, -1)
     return lax.all_to_all(rows, AXIS, 0, 0, tiled=True)
 
 
