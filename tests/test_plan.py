@@ -199,10 +199,17 @@ def test_uneven_all_to_all_agrees_on_the_widest_chunk_first() -> None:
     assert plan.blocks[0].tolist() == [3, 0]
     agreed = plan.finish([torch.tensor([3, 0])])
     padded = plan.then(agreed)
-    assert padded.key == ProgramKey("alltoall", (10, 11), ((6, "int32"),), (), "xla")
-    assert padded.blocks[0].tolist() == [0, 0, 0, 1, 2, 3]  # row per peer, width 3
-    # rank 0 got [0 . .] from itself, [7 8 .] from rank 1
-    padded.finish([torch.tensor([0, 0, 0, 7, 8, 0], dtype=torch.int32)])
+    # a row per peer: width 3, then the row's length in 4 words (one used: 16 bytes keep every
+    # row aligned for 8- and 16-byte elements)
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((14, "int32"),), (), "xla")
+    assert padded.blocks[0].tolist() == [0, 0, 0, 1, 0, 0, 0, 1, 2, 3, 3, 0, 0, 0]
+    # rank 0 got [0 . . | 1] from itself, [7 8 . | 2] from rank 1
+    padded.finish([torch.tensor([0, 0, 0, 1, 0, 0, 0, 7, 8, 0, 2, 0, 0, 0], dtype=torch.int32)])
+    assert out.tolist() == [0, 7, 8]
+    # group rank 1 (global 6) says it sent 3 rows where this rank expects 2: an error naming
+    # both (global ranks), out unchanged
+    with pytest.raises(dist.DistBackendError, match=r"rank 6 sent 3 rows, this rank expected 2"):
+        padded.finish([torch.tensor([5, 0, 0, 1, 0, 0, 0, 7, 8, 9, 3, 0, 0, 0], dtype=torch.int32)])
     assert out.tolist() == [0, 7, 8]
     # nothing to move anywhere: no second program
     empty = _plan_all_to_all.all_to_all_single(CPU2, torch.zeros(0), torch.zeros(0), [0, 0], [0, 0])
@@ -226,12 +233,15 @@ def test_uneven_all_to_all_pads_the_agreed_width_to_its_bucket() -> None:
     out = torch.zeros(5, dtype=torch.int32)
     plan = _plan_all_to_all.all_to_all_single(CPU2, out, x, [2, 3], [2, 9])
     padded = plan.then(plan.finish([torch.tensor([11, 0])]))
-    assert padded.key == ProgramKey("alltoall", (10, 11), ((24, "int32"),), (), "xla")
-    rows = padded.blocks[0].view(2, 12)
-    assert rows[0].tolist() == [0, 1] + [0] * 10 and rows[1].tolist() == list(range(2, 11)) + [0] * 3
-    got = torch.zeros(2, 12, dtype=torch.int32)
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((32, "int32"),), (), "xla")
+    rows = padded.blocks[0].view(2, 16)  # 12 words, then the length in 4
+    assert rows[0].tolist() == [0, 1] + [0] * 10 + [2, 0, 0, 0]
+    assert rows[1].tolist() == list(range(2, 11)) + [0] * 3 + [9, 0, 0, 0]
+    got = torch.zeros(2, 16, dtype=torch.int32)
     got[0, :2] = torch.tensor([0, 1])
+    got[0, 12] = 2
     got[1, :3] = torch.tensor([20, 21, 22])
+    got[1, 12] = 3
     padded.finish([got.view(-1)])
     assert out.tolist() == [0, 1, 20, 21, 22]
 
@@ -260,35 +270,43 @@ def test_a_large_cpu_all_to_all_is_one_permute_per_peer() -> None:
     assert _plan_all_to_all.all_to_all_single(tpu, out, x, [], []).key.algorithm == "xla"
 
 
-def test_a_large_uneven_cpu_all_to_all_pads_only_the_short_chunks() -> None:
-    # 2 ranks: rank 0 sends 3 rows to itself and the agreed width (a bucket) to rank 1,
-    # exactly, so that chunk is passed as it is; rank 1's chunk for it is shorter.
+def test_a_large_uneven_cpu_all_to_all_pads_each_chunk_and_appends_its_length() -> None:
+    # 2 ranks: rank 0 sends 3 rows to itself and the agreed width (a bucket) to rank 1, as one
+    # collective-permute; each chunk is followed by its length (4 words, the first used), which
+    # the receiver checks.
     width = _plan_all_to_all.size_bucket(_plan_algorithms.PERMUTE_MIN_BYTES // 4)
     x = torch.arange(3 + width, dtype=torch.int32)
     out = torch.zeros(3 + 5, dtype=torch.int32)
     plan = _plan_all_to_all.all_to_all_single(CPU2, out, x, [3, 5], [3, width])
     padded = plan.then(plan.finish([torch.tensor([width, 0])]))
-    assert padded.key == ProgramKey("alltoall", (10, 11), ((width, "int32"),), (), "permute")
-    assert padded.blocks[0].data_ptr() == x[3:].data_ptr()  # no copy
-    from_peer = torch.zeros(width, dtype=torch.int32)
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((width + 4, "int32"),), (), "permute")
+    assert torch.equal(padded.blocks[0][:width], x[3:])
+    assert padded.blocks[0][width:].tolist() == [width, 0, 0, 0]
+    from_peer = torch.zeros(width + 4, dtype=torch.int32)
     from_peer[:5] = torch.tensor([9, 8, 7, 6, 5])
+    from_peer[width] = 5
     padded.finish([from_peer])
     assert out.tolist() == [0, 1, 2, 9, 8, 7, 6, 5]
 
 
 def test_uneven_all_to_all_of_bf16_pads_its_rows_to_32_bit_words() -> None:
     # rank 0 of 2 sends 1 element to itself and 2 to rank 1; the widest chunk agreed is 3
-    # elements, padded to 4 (two 32-bit words a row); rank 1 sent it 3.
+    # elements, padded to 4 (two 32-bit words a row), then the row's length in one more 32-bit
+    # word; rank 1 sent it 3.
     x = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
     out = torch.zeros(4, dtype=torch.bfloat16)
     plan = _plan_all_to_all.all_to_all_single(CPU2, out, x, [1, 3], [1, 2])
     padded = plan.then(plan.finish([torch.tensor([3, 0])]))
-    assert padded.key == ProgramKey("alltoall", (10, 11), ((4, "int32"),), (), "xla")
-    rows = padded.blocks[0].view(torch.bfloat16).view(2, 4)
-    assert rows.tolist() == [[1.0, 0.0, 0.0, 0.0], [2.0, 3.0, 0.0, 0.0]]
+    assert padded.key == ProgramKey("alltoall", (10, 11), ((6, "int32"),), (), "xla")
+    rows = padded.blocks[0].view(torch.bfloat16).view(2, 6)
+    assert rows[:, :4].tolist() == [[1.0, 0.0, 0.0, 0.0], [2.0, 3.0, 0.0, 0.0]]
+    assert padded.blocks[0].view(2, 3)[:, 2].tolist() == [1, 2]  # the lengths, in elements
     # what rank 0 gets back: its own row 0, then rank 1's row for it (7, 8, 9)
-    got = torch.tensor([[1.0, 0, 0, 0], [7.0, 8.0, 9.0, 0]], dtype=torch.bfloat16)
-    padded.finish([got.view(-1).view(torch.int32)])
+    got = torch.zeros(2, 6, dtype=torch.bfloat16)
+    got[0, 0], got[1, :3] = 1.0, torch.tensor([7.0, 8.0, 9.0])
+    got = got.view(-1).view(torch.int32).view(2, 3)
+    got[0, 2], got[1, 2] = 1, 3
+    padded.finish([got.reshape(-1)])
     assert out.tolist() == [1.0, 7.0, 8.0, 9.0]
 
 

@@ -22,7 +22,6 @@ from tpu_dist.collectives._plan_blocks import (
     DTYPE_NAMES,
     as_words,
     exchange_words,
-    padded_to,
     per_word32,
     permute_blocks,
     word_count,
@@ -30,6 +29,7 @@ from tpu_dist.collectives._plan_blocks import (
 )
 from tpu_dist.collectives._plan_build import build_plan, completed, one_sided
 from tpu_dist.collectives._plan_finish import (
+    CheckSentLengths,
     FromPermutes,
     JoinInto,
     KeepOutputs,
@@ -61,7 +61,8 @@ def all_to_all_single(
         )
         if rejected is not None:
             return uneven_all_to_all(group, op, [], [], [KeepOutputs(())], rejected)
-        return uneven_all_to_all(group, op, *parts)
+        *parts, row = parts
+        return uneven_all_to_all(group, op, *parts, unit=(max(row, 1), "rows"))
     _checks.check_tensor(op, input, "input")
     _checks.check_tensor(op, output, "output")
     _checks.check_same(op, input, output, "output")
@@ -112,7 +113,8 @@ def _single_parts(
     input_split_sizes: Sequence[int],
 ) -> tuple[list[torch.Tensor], list[int], list[Step]]:
     """An ``all_to_all_single`` with split sizes, checked: the chunks this rank sends, the
-    words it receives from each rank, and the finish steps that write them into ``output``."""
+    words it receives from each rank, the finish steps that write them into ``output``, and
+    the words a row."""
     _checks.check_tensor(op, input, "input")
     _checks.check_tensor(op, output, "output")
     _checks.check_same(op, input, output, "output")
@@ -121,10 +123,17 @@ def _single_parts(
     size = group.size
     send = _checks.check_splits(op, input_split_sizes, size, input.shape[0], "input")
     recv = _checks.check_splits(op, output_split_sizes, size, output.shape[0], "output")
+    rank = group.rank
+    if send[rank] != recv[rank]:
+        raise ValueError(
+            f"{op}: this rank (group rank {rank}) sends itself {send[rank]} rows "
+            f"(input_split_sizes[{rank}]) but expects {recv[rank]} from itself "
+            f"(output_split_sizes[{rank}]); they must be equal."
+        )
     row = word_count(input.new_empty(input.shape[1:]))  # words per row (0 rows: no input[0])
     send_chunks = list(words(input).split([s * row for s in send]))
     out_words = words(output) if output.is_contiguous() else None
-    return send_chunks, [r * row for r in recv], [JoinInto(output, out_words)]
+    return send_chunks, [r * row for r in recv], [JoinInto(output, out_words)], row
 
 
 def all_to_all(
@@ -139,7 +148,8 @@ def all_to_all(
     parts, rejected = one_sided(lambda: _list_parts(op, group, output_tensors, input_tensors))
     if rejected is not None:
         return uneven_all_to_all(group, op, [], [], [KeepOutputs(())], rejected)
-    return uneven_all_to_all(group, op, *parts)
+    per_element = max(1, input_tensors[0].element_size() // 4)
+    return uneven_all_to_all(group, op, *parts, unit=(per_element, "elements"))
 
 
 def _list_parts(
@@ -160,6 +170,13 @@ def _list_parts(
         _checks.check_tensor(op, t, f"output_tensor_list[{i}]")
         _checks.check_same(op, input_tensors[0], t, f"output_tensor_list[{i}]")
         _checks.check_output(op, t, f"output_tensor_list[{i}]")
+    rank = group.rank
+    if input_tensors[rank].numel() != output_tensors[rank].numel():
+        raise ValueError(
+            f"{op}: this rank (group rank {rank}) sends itself "
+            f"{input_tensors[rank].numel()} elements (input_tensor_list[{rank}]) but expects "
+            f"{output_tensors[rank].numel()} (output_tensor_list[{rank}]); they must be equal."
+        )
     send_chunks = [words(t) for t in input_tensors]
     recv_counts = [word_count(t) for t in output_tensors]
     return send_chunks, recv_counts, [WriteOutputs(tuple(output_tensors))]
@@ -190,6 +207,7 @@ def uneven_all_to_all(
     recv_counts: list[int],
     steps: Sequence[Step],
     rejected: Exception | None = None,
+    unit: tuple[int, str] = (1, "words"),
 ) -> Plan:
     """All-to-all of chunks of any length: every chunk padded to the group's largest.
 
@@ -201,6 +219,11 @@ def uneven_all_to_all(
     steps and then ``steps``, which write the chunks received from each rank. The agreed width
     is rounded up to its :func:`size_bucket`, so that widths that follow the data reuse a few
     programs.
+
+    Each padded chunk ends in one 32-bit word holding its sender's length of it: the receiver
+    checks it against the words it expects from that rank (:class:`~._plan_finish.
+    CheckSentLengths`; ``unit``, (words a unit, its name), words the message), so ranks whose
+    split sizes disagree fail with an error instead of reading padding as data.
 
     On TPU too this padded exchange, not XLA's ragged all-to-all
     (``jax.lax.ragged_all_to_all``, which would move only the rows and serve every split with
@@ -216,7 +239,7 @@ def uneven_all_to_all(
         group, op, Kind.ALLREDUCE, ("MAX",), [agreed], [TakeAgreedWidth(group, op, agreed)]
     )
     padded = functools.partial(
-        _padded_all_to_all, group, op, send_chunks, recv_counts, tuple(steps)
+        _padded_all_to_all, group, op, send_chunks, recv_counts, tuple(steps), unit
     )
     return dataclasses.replace(agree, then=padded, rejected=rejected)
 
@@ -227,10 +250,11 @@ def _padded_all_to_all(
     send_chunks: list[torch.Tensor],
     recv_counts: list[int],
     steps: tuple[Step, ...],
+    unit: tuple[int, str],
     agreed: list[torch.Tensor],
 ) -> Plan:
     """The second program of :func:`uneven_all_to_all`, once the ranks ``agreed`` on the
-    widest chunk: every chunk padded to its bucket."""
+    widest chunk: every chunk padded to its bucket, its length in a word after it."""
     size = group.size
     width = int(agreed[0][0])
     if width == 0:
@@ -241,21 +265,43 @@ def _padded_all_to_all(
     ratio = per_word32(send_chunks[0])
     width = -(-size_bucket(width) // ratio) * ratio
     rank = group.rank
-    meta = ((size * width, DTYPE_NAMES[word]),)
+    # Each chunk's length in one 32-bit word (``ratio`` words of the chunk's type) after it;
+    # 32-bit words take four (16 bytes), so that every row starts where an element of any
+    # width may (a complex128 is four words).
+    extra = 4 if ratio == 1 else ratio
+    lengths = []
+    for chunk in send_chunks:
+        length = chunk.new_zeros(extra)
+        length[:ratio] = torch.tensor([chunk.numel()], dtype=torch.int32).view(word)
+        lengths.append(length)
+    full = width + extra
+    meta = ((size * full, DTYPE_NAMES[word]),)
+    expected = list(recv_counts)
+    expected[rank] = send_chunks[rank].numel()  # its own chunk is checked when planned
+    check = CheckSentLengths(group, op, tuple(expected), width, ratio, unit)
     trim = TrimChunks(tuple(recv_counts))
     if choose_algorithm(Kind.ALLTOALL, meta, (), group.platform, size) == "permute":
-        # One block per peer (this rank's own chunk stays here): a chunk of the whole
-        # width is passed as it is, a shorter one padded.
-        peers = permute_blocks(send_chunks, rank)
-        blocks = [exchange_words(padded_to(c, width), 1) for c in peers]
+        # One block per peer (this rank's own chunk stays here), padded, its length after it.
+        blocks = []
+        for peer in range(1, size):
+            to = (rank + peer) % size
+            block = send_chunks[0].new_zeros(full)
+            block[: send_chunks[to].numel()] = send_chunks[to]
+            block[width:] = lengths[to]
+            blocks.append(exchange_words(block, 1))
+        own = send_chunks[0].new_zeros(full)
+        own[: send_chunks[rank].numel()] = send_chunks[rank]
+        own[width:] = lengths[rank]
         return build_plan(
             group, op, Kind.ALLTOALL, (), blocks,
-            [FromPermutes(send_chunks[rank], rank), trim, *steps], algorithm="permute",
+            [FromPermutes(own, rank), check, trim, *steps], algorithm="permute",
         )
-    rows = send_chunks[0].new_zeros(size, width)
+    rows = send_chunks[0].new_zeros(size, full)
     for peer, chunk in enumerate(send_chunks):
         rows[peer, : chunk.numel()] = chunk
+        rows[peer, width:] = lengths[peer]
     block = exchange_words(rows.view(-1), size)
     return build_plan(
-        group, op, Kind.ALLTOALL, (), [block], [SplitRows(word, size, width), trim, *steps]
+        group, op, Kind.ALLTOALL, (), [block],
+        [SplitRows(word, size, full), check, trim, *steps],
     )

@@ -121,13 +121,3 @@ def from_permutes(
     for k, block in enumerate(received, 1):
         by_source[(rank - k) % size] = block
     return by_source
-
-
-def padded_to(chunk: torch.Tensor, width: int) -> torch.Tensor:
-    """``chunk`` as a block of ``width`` words: itself when it is that long, else a copy
-    with zeros after it."""
-    if chunk.numel() == width:
-        return chunk
-    block = chunk.new_zeros(width)
-    block[: chunk.numel()] = chunk
-    return block

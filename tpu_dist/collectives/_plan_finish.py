@@ -170,6 +170,42 @@ class SplitRows:
 
 
 @dataclass(frozen=True, eq=False)
+class CheckSentLengths:
+    """A padded all-to-all's chunks each end in the sender's length of it (one 32-bit word,
+    its first ``length`` words of the chunk's type after ``width`` words): check each against the
+    words this rank expects from that rank and strip them. A sender whose split sizes disagree
+    with this rank's fails the call here, naming both, before anything is written (as gloo's
+    size check fails the receiver); the group stays in step."""
+
+    group: GroupView
+    op: str
+    expected: tuple[int, ...]
+    """Words expected from each source rank."""
+    width: int
+    length: int
+    unit: tuple[int, str]
+    """(words per unit, the unit's name) for the message: (words a row, "rows")."""
+
+    def __call__(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        sent = [int(chunk[self.width:self.width + self.length].view(torch.int32)[0])
+                for chunk in results]
+        wrong = [(peer, got, want) for peer, (got, want) in enumerate(zip(sent, self.expected))
+                 if got != want]
+        if wrong:
+            per, name = self.unit
+            ranks = self.group.global_ranks or tuple(range(self.group.size))
+            said = "; ".join(f"rank {ranks[p]} sent {got // per} {name}, this rank expected "
+                             f"{want // per}" for p, got, want in wrong)
+            raise dist.DistBackendError(
+                f"tpu_dist: {self.op} on rank {self.group.global_rank} of group "
+                f"{self.group.name!r}: the ranks' split sizes disagree ({said}): rank i's "
+                "input split for rank j must equal rank j's output split for rank i. This "
+                "rank's output was left unchanged; the group stays usable."
+            )
+        return [chunk[: self.width] for chunk in results]
+
+
+@dataclass(frozen=True, eq=False)
 class TrimChunks:
     """Each source rank's chunk cut to the words it sent (the rest was padding)."""
 
