@@ -101,12 +101,13 @@ def test_the_step_counts_torchtitans_flops_flex_attention_and_experts(
 def test_expert_parallel_all_to_alls_have_the_sizes_of_balanced_routing(
         run: tuple[int, str, dict]) -> None:
     """Each rank's 1,024 tokens go to 8 experts each, of width 256, in bf16: 4 MiB a rank in
-    every dispatch and combine all-to-all (4 a layer: forward and backward), 8 layers; the
-    report says the sizes assume balanced routing."""
+    every dispatch and combine all-to-all (4 a layer: forward and backward), 8 layers, and the
+    4 bytes of each chunk's length (one chunk for each of the EP ranks); the report says the
+    sizes assume balanced routing."""
     _, out, report = run
     data = [r for r in report["collectives"]
             if r["op"] == "all_to_all_single" and r["bytes_per_rank"] > 1024]
     assert [(r["group_size"], r["bytes_per_rank"], r["count"]) for r in data] == [
-        (EP, BATCH * SEQ * 8 * 256 * 2, 4 * 8)]
+        (EP, BATCH * SEQ * 8 * 256 * 2 + EP * 4, 4 * 8)]
     assert any(a.startswith("balanced routing") for a in report["assumptions"])
     assert "assumed: balanced routing" in out

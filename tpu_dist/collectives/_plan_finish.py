@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from tpu_dist.collectives._plan import GroupView
 from tpu_dist.collectives._plan_blocks import from_permutes, write
@@ -187,6 +188,8 @@ class CheckSentLengths:
     """(words per unit, the unit's name) for the message: (words a row, "rows")."""
 
     def __call__(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        if any(is_fake(chunk) for chunk in results):  # a dry run's: no values to check
+            return [chunk[: self.width] for chunk in results]
         sent = [int(chunk[self.width:self.width + self.length].view(torch.int32)[0])
                 for chunk in results]
         wrong = [(peer, got, want) for peer, (got, want) in enumerate(zip(sent, self.expected))
