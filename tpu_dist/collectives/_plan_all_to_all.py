@@ -268,38 +268,33 @@ def _padded_all_to_all(
     # Each chunk's length in one 32-bit word (``ratio`` words of the chunk's type) after it;
     # 32-bit words take four (16 bytes), so that every row starts where an element of any
     # width may (a complex128 is four words).
-    extra = 4 if ratio == 1 else ratio
-    lengths = []
-    for chunk in send_chunks:
-        length = chunk.new_zeros(extra)
-        length[:ratio] = torch.tensor([chunk.numel()], dtype=torch.int32).view(word)
-        lengths.append(length)
-    full = width + extra
+    full = width + (4 if ratio == 1 else ratio)
+    lengths = torch.tensor([c.numel() for c in send_chunks], dtype=torch.int32)
+    lengths = lengths.view(word).view(size, ratio)
+
+    def fill(row: torch.Tensor, peer: int) -> torch.Tensor:
+        """``row`` (``full`` zeroed words) with the chunk for ``peer`` and its length."""
+        chunk = send_chunks[peer]
+        row[: chunk.numel()] = chunk
+        row[width : width + ratio] = lengths[peer]
+        return row
+
     meta = ((size * full, DTYPE_NAMES[word]),)
     expected = list(recv_counts)
     expected[rank] = send_chunks[rank].numel()  # its own chunk is checked when planned
     check = CheckSentLengths(group, op, tuple(expected), width, ratio, unit)
     trim = TrimChunks(tuple(recv_counts))
     if choose_algorithm(Kind.ALLTOALL, meta, (), group.platform, size) == "permute":
-        # One block per peer (this rank's own chunk stays here), padded, its length after it.
-        blocks = []
-        for peer in range(1, size):
-            to = (rank + peer) % size
-            block = send_chunks[0].new_zeros(full)
-            block[: send_chunks[to].numel()] = send_chunks[to]
-            block[width:] = lengths[to]
-            blocks.append(exchange_words(block, 1))
-        own = send_chunks[0].new_zeros(full)
-        own[: send_chunks[rank].numel()] = send_chunks[rank]
-        own[width:] = lengths[rank]
+        # One block per peer (this rank's own chunk stays here).
+        padded = [fill(send_chunks[0].new_zeros(full), peer) for peer in range(size)]
+        blocks = [exchange_words(b, 1) for b in permute_blocks(padded, rank)]
         return build_plan(
             group, op, Kind.ALLTOALL, (), blocks,
-            [FromPermutes(own, rank), check, trim, *steps], algorithm="permute",
+            [FromPermutes(padded[rank], rank), check, trim, *steps], algorithm="permute",
         )
     rows = send_chunks[0].new_zeros(size, full)
-    for peer, chunk in enumerate(send_chunks):
-        rows[peer, : chunk.numel()] = chunk
-        rows[peer, width:] = lengths[peer]
+    for peer in range(size):
+        fill(rows[peer], peer)
     block = exchange_words(rows.view(-1), size)
     return build_plan(
         group, op, Kind.ALLTOALL, (), [block],
